@@ -1,0 +1,3 @@
+from idemproxy.cli import main
+
+raise SystemExit(main())

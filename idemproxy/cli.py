@@ -1,0 +1,142 @@
+"""Command line: parse, load config, set up logging, run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from idemproxy.config import Config, ConfigError, dump_yaml, load_config_file
+from idemproxy.logs import setup_logging
+from idemproxy.problems import StoreUnavailable
+
+log = logging.getLogger("idemproxy")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="idemproxy", description="Idempotency-Key semantics in front of any HTTP API."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    serve.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    serve.add_argument("--upstream", help="upstream URL (overrides upstream.url)")
+    serve.add_argument("--port", type=int, help="proxy port (overrides listen.port)")
+    serve.add_argument("--admin-port", type=int, help="admin port (overrides admin.port)")
+    serve.add_argument("--workers", type=int, help="worker processes sharing the port (SO_REUSEPORT)")
+    serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
+
+    check = sub.add_parser("check-config", help="validate a config file and print it, secrets masked")
+    check.add_argument("file")
+
+    migrate = sub.add_parser("migrate", help="create or upgrade the PostgreSQL schema")
+    migrate.add_argument("--config", required=True)
+
+    demo = sub.add_parser("demo", help="a sample payments API behind idemproxy, on the embedded store")
+    demo.add_argument("--port", type=int, default=8080, help="proxy port (default 8080)")
+    demo.add_argument("--upstream-port", type=int, default=9000, help="sample API port (default 9000)")
+    demo.add_argument("--admin-port", type=int, default=9090)
+    demo.add_argument("--store", default="idemproxy-demo.sqlite3", help="embedded store file")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    pairs = {
+        "upstream.url": args.upstream,
+        "listen.port": args.port,
+        "admin.port": args.admin_port,
+        "workers": args.workers,
+    }
+    return {key: value for key, value in pairs.items() if value is not None}
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(coro)
+
+
+def _load(path: str | None, overrides: dict[str, Any] | None = None) -> Config:
+    return load_config_file(path, overrides=overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _load(args.config, _overrides(args))
+    setup_logging(config.log)
+    if config.workers > 1 and not args.reuse_port:
+        from idemproxy.workers import run_workers
+
+        return run_workers(config, sys.argv[1:])
+    from idemproxy.app import serve
+
+    _run(serve(config, reuse_port=args.reuse_port))
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = _load(args.file)
+    sys.stdout.write(dump_yaml(config))
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    setup_logging(config.log)
+    if config.storage.postgres is None:
+        print("idemproxy: storage.postgres is not configured; nothing to migrate", file=sys.stderr)
+        return 1
+    from idemproxy.store.postgres import apply_migrations
+
+    async def run() -> None:
+        assert config.storage.postgres is not None
+        applied = await apply_migrations(config.storage.postgres)
+        print(f"schema up to date (applied: {applied or 'none'})")
+
+    _run(run())
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from idemproxy.demo import run_demo
+
+    _run(run_demo(args.port, args.upstream_port, args.admin_port, args.store))
+    return 0
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "check-config": cmd_check_config,
+    "migrate": cmd_migrate,
+    "demo": cmd_demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print("idemproxy: invalid configuration:", file=sys.stderr)
+        for error in exc.errors:
+            print(f"  {error}", file=sys.stderr)
+        return 1
+    except StoreUnavailable as exc:
+        print(f"idemproxy: {exc.detail}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from idemproxy.store.embedded import StoreLocked
+
+        if isinstance(exc, StoreLocked | OSError):
+            print(f"idemproxy: {exc}", file=sys.stderr)
+            return 1
+        raise

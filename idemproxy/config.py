@@ -1,0 +1,660 @@
+"""Typed configuration, loaded and checked once.
+
+One YAML file becomes a tree of frozen dataclasses. Every problem found is reported with the key's
+dotted path and the bad value (``upstream.timeout: 'soon' is not a duration``); all of them are
+collected before failing so a user fixes a file in one pass. Secrets hide themselves in ``repr``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal, TypeVar, cast
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; ``errors`` lists every problem with its key path."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+class Secret:
+    """A string that never shows itself in ``repr``/``str``; ``reveal()`` gives the value."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def masked(self) -> str:
+        return "***" if self._value else ""
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return f"Secret({self.masked()!r})"
+
+    __str__ = __repr__
+
+
+class SecretURL(Secret):
+    """A URL or DSN whose password is masked when shown."""
+
+    def masked(self) -> str:
+        parts = urlsplit(self._value)
+        if parts.password is None:
+            return self._value
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return urlunsplit(parts._replace(netloc=netloc))
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    host: str = "0.0.0.0"
+    port: int = 8080
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    host: str = "127.0.0.1"
+    port: int = 9090
+    token: Secret = field(default_factory=lambda: Secret(""))
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    url: str = ""
+    connect_timeout: float = 5.0
+    timeout: float = 30.0
+    max_connections: int = 512
+    forward_key: bool = True
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    from_: Literal["header", "static"] = "header"
+    header: str = "Authorization"
+    hash: bool = True
+    required: bool = True
+    static: str = "default"
+
+
+@dataclass(frozen=True)
+class IdempotencyConfig:
+    header: str = "Idempotency-Key"
+    methods: tuple[str, ...] = ("POST", "PATCH")
+    required: bool = False
+    key_max_length: int = 255
+    ttl: float = 24 * 3600.0
+    lease: float = 60.0
+    in_flight: Literal["reject", "wait"] = "reject"
+    wait_timeout: float = 10.0
+    store_5xx: bool = True
+    release_statuses: tuple[int, ...] = (408, 409, 425, 429, 503)
+    on_unknown_outcome: Literal["keep_lease", "release", "store"] = "keep_lease"
+    canonical_json: bool = True
+    fingerprint_headers: tuple[str, ...] = ()
+    replay_header: str = "Idempotent-Replayed"
+    strip_replay_headers: tuple[str, ...] = ("Set-Cookie",)
+    max_request_body: int = 1024 * 1024
+    max_stored_response: int = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """A path prefix with its own idempotency settings (the defaults, overridden)."""
+
+    prefix: str
+    enabled: bool
+    idempotency: IdempotencyConfig
+
+
+@dataclass(frozen=True)
+class EmbeddedConfig:
+    path: str = "idemproxy.sqlite3"
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: SecretURL = field(default_factory=lambda: SecretURL("redis://127.0.0.1:6379/0"))
+    key_prefix: str = "idem:"
+    replay_cache_ttl: float = 3600.0
+
+
+@dataclass(frozen=True)
+class PostgresConfig:
+    dsn: SecretURL = field(
+        default_factory=lambda: SecretURL("postgresql://idemproxy@127.0.0.1:5432/idemproxy")
+    )
+    pool_min: int = 2
+    pool_max: int = 20
+    migrate: Literal["auto", "off"] = "auto"
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    redis: RedisConfig | None = None
+    postgres: PostgresConfig | None = None
+    on_store_error: Literal["fail_closed", "fail_open"] = "fail_closed"
+
+    @property
+    def backend(self) -> Literal["embedded", "postgres"]:
+        """The durable store in use: PostgreSQL when configured, else the embedded file."""
+        return "postgres" if self.postgres is not None else "embedded"
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "INFO"
+    format: Literal["text", "json"] = "text"
+    access: str = "INFO"  # level of the one-line-per-request access log; "off" disables it
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    tenant: TenantConfig = field(default_factory=TenantConfig)
+    idempotency: IdempotencyConfig = field(default_factory=IdempotencyConfig)
+    routes: tuple[RouteConfig, ...] = ()
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    shutdown_timeout: float = 30.0
+    workers: int = 1
+
+    def route_for(self, path: str) -> RouteConfig | None:
+        """The first route whose prefix matches ``path`` (None: the defaults apply)."""
+        for route in self.routes:
+            if path.startswith(route.prefix):
+                return route
+        return None
+
+
+# --------------------------------------------------------------------------- value parsers
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
+_SIZE_UNITS = {
+    None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
+    "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+}
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token (methods, header names)
+
+
+class _Invalid(Exception):
+    """One bad value; the loader adds the key path."""
+
+
+def parse_duration(value: Any) -> float:
+    """``500ms``, ``30s``, ``5m``, ``24h``, ``1d`` or plain seconds → seconds."""
+    if isinstance(value, bool):
+        raise _Invalid(f"{value!r} is not a duration")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise _Invalid(f"{value!r} is not a duration (negative)")
+        return float(value)
+    match = _DURATION.match(str(value))
+    if not match:
+        raise _Invalid(f"{value!r} is not a duration (use e.g. 500ms, 30s, 24h)")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def parse_size(value: Any) -> int:
+    """``512KiB``, ``1MiB`` or plain bytes → bytes."""
+    if isinstance(value, bool):
+        raise _Invalid(f"{value!r} is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise _Invalid(f"{value!r} is not a size (negative)")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise _Invalid(f"{value!r} is not a size (use e.g. 512KiB, 1MiB or bytes)")
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+        return value.lower() in ("true", "yes", "on", "1")
+    raise _Invalid(f"{value!r} is not a boolean")
+
+
+def _int(low: int, high: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise _Invalid(f"{value!r} is not an integer")
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise _Invalid(f"{value!r} is not an integer") from None
+        if not low <= number <= high:
+            raise _Invalid(f"{value!r} is out of range ({low}..{high})")
+        return number
+
+    return parse
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, dict | list) or value is None:
+        raise _Invalid(f"{value!r} is not a string")
+    return str(value)
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if value not in options:
+            raise _Invalid(f"{value!r} is not one of {', '.join(options)}")
+        return str(value)
+
+    return parse
+
+
+def _token(value: Any) -> str:
+    text = _str(value)
+    if not _TOKEN.match(text):
+        raise _Invalid(f"{value!r} is not a valid HTTP token")
+    return text
+
+
+def _list(item: Callable[[Any], T]) -> Callable[[Any], tuple[T, ...]]:
+    def parse(value: Any) -> tuple[T, ...]:
+        if not isinstance(value, list):
+            raise _Invalid(f"{value!r} is not a list")
+        return tuple(item(v) for v in value)
+
+    return parse
+
+
+def _status(value: Any) -> int:
+    return _int(100, 599)(value)
+
+
+def _method(value: Any) -> str:
+    return _token(value).upper()
+
+
+def _http_url(value: Any) -> str:
+    text = _str(value)
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _Invalid(f"{text!r} is not an http(s) URL with a host")
+    return text.rstrip("/")
+
+
+def _redis_url(value: Any) -> SecretURL:
+    text = _str(value)
+    if urlsplit(text).scheme not in ("redis", "rediss", "unix"):
+        raise _Invalid(f"{SecretURL(text).masked()!r} is not a redis:// URL")
+    return SecretURL(text)
+
+
+def _pg_dsn(value: Any) -> SecretURL:
+    text = _str(value)
+    if urlsplit(text).scheme not in ("postgres", "postgresql"):
+        raise _Invalid(f"{SecretURL(text).masked()!r} is not a postgresql:// DSN")
+    return SecretURL(text)
+
+
+def _log_level(value: Any) -> str:
+    text = _str(value).upper()
+    if text not in ("DEBUG", "INFO", "WARNING", "ERROR", "OFF"):
+        raise _Invalid(f"{value!r} is not one of debug, info, warning, error, off")
+    return text
+
+
+# --------------------------------------------------------------------------- loader
+
+_Spec = dict[str, Callable[[Any], Any]]
+
+_IDEMPOTENCY_SPEC: _Spec = {
+    "header": _token,
+    "methods": _list(_method),
+    "required": _bool,
+    "key_max_length": _int(1, 8192),
+    "ttl": parse_duration,
+    "lease": parse_duration,
+    "in_flight": _choice("reject", "wait"),
+    "wait_timeout": parse_duration,
+    "store_5xx": _bool,
+    "release_statuses": _list(_status),
+    "on_unknown_outcome": _choice("keep_lease", "release", "store"),
+    "canonical_json": _bool,
+    "fingerprint_headers": _list(_token),
+    "replay_header": _token,
+    "strip_replay_headers": _list(_token),
+    "max_request_body": parse_size,
+    "max_stored_response": parse_size,
+}
+
+_SPECS: dict[type[Any], _Spec] = {
+    ListenConfig: {"host": _str, "port": _int(0, 65535)},
+    AdminConfig: {"host": _str, "port": _int(0, 65535), "token": lambda v: Secret(_str(v))},
+    UpstreamConfig: {
+        "url": _http_url,
+        "connect_timeout": parse_duration,
+        "timeout": parse_duration,
+        "max_connections": _int(1, 100_000),
+        "forward_key": _bool,
+    },
+    TenantConfig: {
+        "from": _choice("header", "static"),
+        "header": _token,
+        "hash": _bool,
+        "required": _bool,
+        "static": _str,
+    },
+    IdempotencyConfig: _IDEMPOTENCY_SPEC,
+    EmbeddedConfig: {"path": _str},
+    RedisConfig: {"url": _redis_url, "key_prefix": _str, "replay_cache_ttl": parse_duration},
+    PostgresConfig: {
+        "dsn": _pg_dsn,
+        "pool_min": _int(1, 1000),
+        "pool_max": _int(1, 1000),
+        "migrate": _choice("auto", "off"),
+    },
+    LogConfig: {
+        "level": _log_level,
+        "format": _choice("text", "json"),
+        "access": _log_level,
+    },
+}
+
+
+class _Loader:
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+        self.errors: list[str] = []
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def substitute(self, path: str, value: Any) -> Any:
+        """Expand ``${NAME}`` / ``${NAME:-default}`` in every string scalar."""
+        if isinstance(value, dict):
+            return {k: self.substitute(f"{path}.{k}" if path else str(k), v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.substitute(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        if not isinstance(value, str) or "${" not in value:
+            return value
+
+        def expand(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in self.env:
+                return self.env[name]
+            if default is not None:
+                return default
+            self.error(path, f"environment variable {name} is not set (use ${{{name}:-default}})")
+            return ""
+
+        expanded = _ENV.sub(expand, value)
+        return _yaml_scalar(expanded) if _ENV.fullmatch(value) else expanded
+
+    def section(self, cls: type[T], path: str, raw: Any, base: T | None = None) -> T:
+        """Build dataclass ``cls`` from mapping ``raw``; unknown keys and bad values are errors."""
+        result = base if base is not None else cls()
+        if raw is None:
+            return result
+        if not isinstance(raw, dict):
+            self.error(path, f"{_short(raw)} is not a mapping")
+            return result
+        spec = _SPECS[cls]
+        changes: dict[str, Any] = {}
+        for key, value in raw.items():
+            key_path = f"{path}.{key}"
+            parser = spec.get(str(key))
+            if parser is None:
+                self.error(key_path, f"unknown key (known: {', '.join(spec)})")
+                continue
+            try:
+                changes["from_" if key == "from" else str(key)] = parser(value)
+            except _Invalid as exc:
+                self.error(key_path, str(exc))
+        return replace(cast(Any, result), **changes)  # type: ignore[no-any-return]
+
+
+def _yaml_scalar(text: str) -> Any:
+    """A value that came whole from the environment is typed as YAML would type it."""
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, str | int | float | bool) else text
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_TOP_LEVEL = (
+    "listen", "admin", "upstream", "tenant", "idempotency", "routes", "storage", "log",
+    "shutdown_timeout", "workers",
+)
+
+
+def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[RouteConfig, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        loader.error("routes", f"{_short(raw)} is not a list")
+        return ()
+    routes = []
+    for index, item in enumerate(raw):
+        path = f"routes[{index}]"
+        if not isinstance(item, dict):
+            loader.error(path, f"{_short(item)} is not a mapping")
+            continue
+        overrides = dict(item)
+        prefix = overrides.pop("prefix", None)
+        enabled_raw = overrides.pop("enabled", True)
+        if not isinstance(prefix, str) or not prefix.startswith("/"):
+            loader.error(f"{path}.prefix", f"{prefix!r} must be a path starting with '/'")
+            prefix = "/"
+        try:
+            enabled = _bool(enabled_raw)
+        except _Invalid as exc:
+            loader.error(f"{path}.enabled", str(exc))
+            enabled = True
+        idem = loader.section(IdempotencyConfig, path, overrides, base=defaults)
+        routes.append(RouteConfig(prefix=prefix, enabled=enabled, idempotency=idem))
+    return tuple(routes)
+
+
+def _storage(loader: _Loader, raw: Any) -> StorageConfig:
+    if raw is None:
+        return StorageConfig()
+    if not isinstance(raw, dict):
+        loader.error("storage", f"{_short(raw)} is not a mapping")
+        return StorageConfig()
+    known = ("embedded", "redis", "postgres", "on_store_error")
+    for key in raw:
+        if key not in known:
+            loader.error(f"storage.{key}", f"unknown key (known: {', '.join(known)})")
+    redis = None
+    if "redis" in raw:
+        redis = loader.section(RedisConfig, "storage.redis", raw["redis"] or {})
+    postgres = None
+    if "postgres" in raw:
+        postgres = loader.section(PostgresConfig, "storage.postgres", raw["postgres"] or {})
+    on_error = "fail_closed"
+    if "on_store_error" in raw:
+        try:
+            on_error = _choice("fail_closed", "fail_open")(raw["on_store_error"])
+        except _Invalid as exc:
+            loader.error("storage.on_store_error", str(exc))
+    return StorageConfig(
+        embedded=loader.section(EmbeddedConfig, "storage.embedded", raw.get("embedded")),
+        redis=redis,
+        postgres=postgres,
+        on_store_error=cast(Literal["fail_closed", "fail_open"], on_error),
+    )
+
+
+def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[Any], T], default: T) -> T:
+    if key not in raw:
+        return default
+    try:
+        return parse(raw[key])
+    except _Invalid as exc:
+        loader.error(key, str(exc))
+        return default
+
+
+def _cross_checks(loader: _Loader, config: Config) -> None:
+    if not config.upstream.url:
+        loader.error("upstream.url", "is required (the API to put idempotency in front of)")
+    policies = [("idempotency", config.idempotency)]
+    policies += [(f"routes[{i}]", r.idempotency) for i, r in enumerate(config.routes)]
+    for path, idem in policies:
+        if config.upstream.timeout >= idem.lease:
+            loader.error(
+                f"{path}.lease",
+                f"{_fmt_seconds(idem.lease)} must be longer than upstream.timeout "
+                f"({_fmt_seconds(config.upstream.timeout)}), or a slow request loses its lease "
+                "while still running",
+            )
+        if idem.ttl < idem.lease:
+            loader.error(f"{path}.ttl", f"{_fmt_seconds(idem.ttl)} must not be shorter than the lease")
+    storage = config.storage
+    if storage.redis is not None and storage.postgres is None:
+        loader.error(
+            "storage.redis",
+            "Redis alone is refused: it is not durable; add storage.postgres (Redis is its fast path)",
+        )
+    if config.workers > 1 and storage.postgres is None:
+        loader.error(
+            "workers",
+            f"{config.workers} workers need storage.postgres: the embedded store is single-instance only",
+        )
+    if storage.postgres is not None and storage.postgres.pool_min > storage.postgres.pool_max:
+        loader.error("storage.postgres.pool_min", "must not exceed storage.postgres.pool_max")
+
+
+def _fmt_seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+def load_config(
+    raw: Any,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build a checked :class:`Config` from parsed YAML; raise :class:`ConfigError` listing all errors.
+
+    ``overrides`` holds dotted keys (``upstream.url``) set by command-line flags; they win over the file.
+    """
+    loader = _Loader(os.environ if env is None else env)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"<root>: {_short(raw)} is not a mapping"])
+    raw = loader.substitute("", _apply_overrides(raw, overrides or {}))
+    for key in raw:
+        if key not in _TOP_LEVEL:
+            loader.error(str(key), f"unknown key (known: {', '.join(_TOP_LEVEL)})")
+    idempotency = loader.section(IdempotencyConfig, "idempotency", raw.get("idempotency"))
+    config = Config(
+        listen=loader.section(ListenConfig, "listen", raw.get("listen")),
+        admin=loader.section(AdminConfig, "admin", raw.get("admin")),
+        upstream=loader.section(UpstreamConfig, "upstream", raw.get("upstream")),
+        tenant=loader.section(TenantConfig, "tenant", raw.get("tenant")),
+        idempotency=idempotency,
+        routes=_routes(loader, raw.get("routes"), idempotency),
+        storage=_storage(loader, raw.get("storage")),
+        log=loader.section(LogConfig, "log", raw.get("log")),
+        shutdown_timeout=_top_value(loader, raw, "shutdown_timeout", parse_duration, 30.0),
+        workers=_top_value(loader, raw, "workers", _int(1, 256), 1),
+    )
+    _cross_checks(loader, config)
+    if loader.errors:
+        raise ConfigError(loader.errors)
+    return config
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    result = dict(raw)
+    for dotted, value in overrides.items():
+        node = result
+        *parents, last = dotted.split(".")
+        for part in parents:
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, dict) else {}
+            node = node[part]
+        node[last] = value
+    return result
+
+
+def load_config_file(
+    path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Read and check a YAML file (None: defaults plus ``overrides``)."""
+    raw: Any = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([f"{path}: cannot read the file ({exc.strerror})"]) from exc
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"{path}: not valid YAML ({exc})"]) from exc
+    return load_config(raw, env=env, overrides=overrides)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def to_plain(config: Config) -> dict[str, Any]:
+    """The effective config as plain data with every secret masked (for check-config and logs)."""
+    return cast(dict[str, Any], _plain(config))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Secret):
+        return value.masked()
+    if isinstance(value, RouteConfig):
+        return {"prefix": value.prefix, "enabled": value.enabled, **_plain(value.idempotency)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            ("from" if f.name == "from_" else f.name): _plain(getattr(value, f.name))
+            for f in fields(value)
+        }
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(to_plain(config), sort_keys=False)

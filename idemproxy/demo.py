@@ -1,0 +1,109 @@
+"""``idemproxy demo``: a sample payments API with idemproxy in front of it, on the embedded store."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import signal
+import textwrap
+
+from aiohttp import web
+
+from idemproxy.app import Proxy
+from idemproxy.config import load_config
+
+CHARGE_DELAY = 0.2  # seconds: slow enough that a double-submit visibly overlaps the first request
+
+CHARGES = web.AppKey("charges", dict)
+EXECUTED = web.AppKey("executed", list)
+
+
+def payments_app() -> web.Application:
+    """A tiny payments API with no idempotency of its own: every POST creates a new charge."""
+    app = web.Application()
+    app[CHARGES] = {}
+    counter = itertools.count(1)
+
+    async def create(request: web.Request) -> web.Response:
+        try:
+            payload = await request.json()
+            amount, currency = int(payload["amount"]), str(payload["currency"])
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": "send JSON with amount and currency"}, status=400)
+        await asyncio.sleep(CHARGE_DELAY)
+        charge = {"id": f"ch_{next(counter):06d}", "amount": amount, "currency": currency,
+                  "status": "succeeded"}
+        app[CHARGES][charge["id"]] = charge
+        return web.json_response(charge, status=201)
+
+    async def show(request: web.Request) -> web.Response:
+        charge = app[CHARGES].get(request.match_info["charge_id"])
+        if charge is None:
+            return web.json_response({"error": "no such charge"}, status=404)
+        return web.json_response(charge)
+
+    app.router.add_post("/v1/charges", create)
+    app.router.add_get("/v1/charges/{charge_id}", show)
+    return app
+
+
+def instructions(port: int, admin_port: int) -> str:
+    base = f"http://127.0.0.1:{port}"
+    body = '{"amount": 1000, "currency": "eur"}'
+    post = f"curl -si {base}/v1/charges -H 'Content-Type: application/json'"
+    return textwrap.dedent(f"""\
+        idemproxy demo: a sample payments API (POST /v1/charges takes {CHARGE_DELAY * 1000:.0f} ms)
+        behind idemproxy at {base}, on the embedded store. Try:
+
+        1. A first request is forwarded and its response stored (Idempotent-Replayed: false):
+           {post} -H 'Idempotency-Key: order-1' -d '{body}'
+
+        2. The same key and payload again is replayed: same charge id, Idempotent-Replayed: true,
+           and the API is not called again:
+           {post} -H 'Idempotency-Key: order-1' -d '{body}'
+
+        3. The same key with another payload is refused, 422 payload_mismatch:
+           {post} -H 'Idempotency-Key: order-1' -d '{{"amount": 2500, "currency": "eur"}}'
+
+        4. A double submit while the first is still running gets 409 in_flight with Retry-After:
+           ({post} -H 'Idempotency-Key: order-2' -d '{body}' &
+            sleep 0.05; {post} -H 'Idempotency-Key: order-2' -d '{body}'; wait)
+
+        Metrics: curl -s http://127.0.0.1:{admin_port}/metrics | grep idemproxy_requests
+        Stop with Ctrl-C.
+        """)
+
+
+async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: str) -> None:
+    config = load_config({
+        "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"host": "127.0.0.1", "port": admin_port},
+        "upstream": {"url": f"http://127.0.0.1:{upstream_port}", "timeout": "10s"},
+        "tenant": {"from": "static", "static": "demo"},
+        "storage": {"embedded": {"path": store_path}},
+    })
+    upstream_runner = web.AppRunner(payments_app(), access_log=None)
+    await upstream_runner.setup()
+    await web.TCPSite(upstream_runner, "127.0.0.1", upstream_port).start()
+    proxy = Proxy(config)
+    runners = [web.AppRunner(proxy.proxy_app(), access_log=None),
+               web.AppRunner(proxy.admin_app(), access_log=None)]
+    try:
+        for runner, listen_port in zip(runners, (port, admin_port), strict=True):
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", listen_port).start()
+        print(instructions(port, admin_port), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await upstream_runner.cleanup()
+
+
+def pretty(data: bytes) -> str:
+    return json.dumps(json.loads(data), indent=2)

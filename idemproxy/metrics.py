@@ -1,0 +1,74 @@
+"""Prometheus metrics, exactly as CONTRACT "Metrics" names them.
+
+Each app owns a registry so that several proxies in one process (tests) do not mix their counts; with
+``--workers N`` the values live in prometheus-client's multiprocess files and ``render`` aggregates them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# From 100 µs, so the proxy's own sub-millisecond overhead is resolved, up past the longest upstream call.
+BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+OUTCOMES = (
+    "passthrough", "forwarded", "replayed", "in_flight", "payload_mismatch", "missing_key",
+    "invalid_key", "missing_tenant", "body_too_large", "upstream_error", "store_error",
+)
+
+
+class Metrics:
+    """The metric set of one proxy."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "idemproxy_requests", "Requests by route, method and outcome",
+            ["route", "method", "outcome"], registry=r,
+        )
+        self.request_duration = Histogram(
+            "idemproxy_request_duration_seconds", "Time from request to response, by outcome",
+            ["outcome"], buckets=BUCKETS, registry=r,
+        )
+        self.overhead = Histogram(
+            "idemproxy_overhead_seconds", "Time in the proxy minus time waiting on the upstream",
+            ["outcome"], buckets=BUCKETS, registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "idemproxy_upstream_duration_seconds", "Time waiting on the upstream",
+            buckets=BUCKETS, registry=r,
+        )
+        self.store_duration = Histogram(
+            "idemproxy_store_duration_seconds", "Store operation latency",
+            ["backend", "operation"], buckets=BUCKETS, registry=r,
+        )
+        self.store_errors = Counter(
+            "idemproxy_store_errors", "Store operations that failed",
+            ["backend", "operation"], registry=r,
+        )
+        self.in_flight = Gauge(
+            "idemproxy_in_flight_requests", "Covered requests being forwarded now",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.lease_takeovers = Counter(
+            "idemproxy_lease_takeovers", "In-flight records taken over after their lease ran out",
+            registry=r,
+        )
+        self.records_expired = Counter(
+            "idemproxy_records_expired", "Records removed or replaced after their TTL", registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition (aggregated over workers in multiprocess mode)."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            return generate_latest(registry)
+        return generate_latest(self.registry)

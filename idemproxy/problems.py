@@ -1,0 +1,133 @@
+"""Every error the proxy answers by itself, and the one place that renders them (RFC 9457).
+
+    Problem                        (status, code, title; rendered as application/problem+json)
+    ├── MissingKey                 400 missing_key
+    ├── InvalidKey                 400 invalid_key
+    ├── MissingTenant              401 missing_tenant
+    ├── InFlight                   409 in_flight          + Retry-After
+    ├── BodyTooLarge               413 body_too_large
+    ├── PayloadMismatch            422 payload_mismatch
+    ├── UpstreamUnreachable        502 upstream_unreachable
+    ├── UpstreamReset              502 upstream_reset
+    ├── ResponseNotReplayable      502 response_not_replayable (+ original_status)
+    ├── StoreUnavailable           503 store_unavailable
+    └── UpstreamTimeout            504 upstream_timeout
+
+Stores raise ``StoreUnavailable`` (translated from driver errors at their boundary); the engine and the
+proxy raise the rest; ``problem_middleware`` turns any of them into a response. Problem bodies never carry
+a stack trace, an internal host name or another tenant's data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+log = logging.getLogger("idemproxy")
+
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+_TYPE_BASE = "https://idemproxy.dev/problems/"
+
+
+class Problem(Exception):
+    """An error answered by the proxy itself."""
+
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "internal_error"
+    title: ClassVar[str] = "Internal proxy error"
+    outcome: ClassVar[str] = "error"  # the metrics outcome label
+
+    def __init__(self, detail: str, **extensions: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extensions = extensions
+        self.headers: dict[str, str] = {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "type": _TYPE_BASE + self.code.replace("_", "-"),
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+            "code": self.code,
+            **self.extensions,
+        }
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=json.dumps(self.body()).encode(),
+            content_type=PROBLEM_CONTENT_TYPE,
+            headers=self.headers,
+        )
+
+
+class MissingKey(Problem):
+    status, code, title, outcome = 400, "missing_key", "Idempotency key required", "missing_key"
+
+
+class InvalidKey(Problem):
+    status, code, title, outcome = 400, "invalid_key", "Invalid idempotency key", "invalid_key"
+
+
+class MissingTenant(Problem):
+    status, code, title, outcome = 401, "missing_tenant", "Tenant required", "missing_tenant"
+
+
+class InFlight(Problem):
+    status, code, title, outcome = 409, "in_flight", "Request already in flight", "in_flight"
+
+    def __init__(self, detail: str, retry_after: float) -> None:
+        super().__init__(detail)
+        self.headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
+
+
+class BodyTooLarge(Problem):
+    status, code, title, outcome = 413, "body_too_large", "Request body too large", "body_too_large"
+
+
+class PayloadMismatch(Problem):
+    status, code, title = 422, "payload_mismatch", "Idempotency key reused with another payload"
+    outcome = "payload_mismatch"
+
+
+class UpstreamUnreachable(Problem):
+    status, code, title, outcome = 502, "upstream_unreachable", "Upstream unreachable", "upstream_error"
+
+
+class UpstreamReset(Problem):
+    status, code, title, outcome = 502, "upstream_reset", "Upstream connection broke", "upstream_error"
+
+
+class UpstreamTimeout(Problem):
+    status, code, title, outcome = 504, "upstream_timeout", "Upstream timed out", "upstream_error"
+
+
+class ResponseNotReplayable(Problem):
+    status, code, title = 502, "response_not_replayable", "Stored response cannot be replayed"
+    outcome = "replayed"
+
+
+class StoreUnavailable(Problem):
+    status, code, title, outcome = 503, "store_unavailable", "Idempotency store unavailable", "store_error"
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Render any :class:`Problem` (and any unexpected error, without its trace) as problem+json."""
+    try:
+        return await handler(request)
+    except Problem as problem:
+        return problem.response()
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error while serving %s %s", request.method, request.path)
+        return Problem("The proxy failed to handle this request.").response()

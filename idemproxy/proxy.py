@@ -1,0 +1,183 @@
+"""Forwarding to the upstream: header hygiene, streaming, and client errors translated at one boundary.
+
+This module knows HTTP and nothing of idempotency records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from idemproxy.config import UpstreamConfig
+from idemproxy.problems import UpstreamReset, UpstreamTimeout, UpstreamUnreachable
+
+log = logging.getLogger("idemproxy.proxy")
+
+CHUNK = 64 * 1024
+
+# RFC 9110 §7.6.1, plus the legacy names proxies meet in practice.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+    "upgrade", "proxy-authenticate", "proxy-authorization",
+})
+
+
+def hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
+    """The standard hop-by-hop names plus every name listed in ``Connection``."""
+    named = {
+        token.strip().lower()
+        for value in headers.getall("Connection", [])
+        for token in value.split(",")
+        if token.strip()
+    }
+    return HOP_BY_HOP | named
+
+
+def filter_headers(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: Iterable[str] = ()
+) -> CIMultiDict[str]:
+    """A copy without hop-by-hop headers and without the names in ``drop`` (lower case)."""
+    skip = hop_by_hop(headers) | {name.lower() for name in drop}
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in skip)
+
+
+def upstream_request_headers(request: web.Request, drop: Iterable[str] = ()) -> CIMultiDict[str]:
+    """The client's headers as the upstream should see them, with the X-Forwarded-* set."""
+    headers = filter_headers(request.headers, drop={"host", *drop})
+    remote = request.remote or ""
+    forwarded_for = ", ".join([*request.headers.getall("X-Forwarded-For", []), remote])
+    headers["X-Forwarded-For"] = forwarded_for.strip(", ")
+    headers["X-Forwarded-Proto"] = request.scheme
+    if request.host:
+        headers["X-Forwarded-Host"] = request.host
+    return headers
+
+
+def client_response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    # Content-Length is set again by whoever writes the body.
+    return filter_headers(upstream.headers, drop={"content-length"})
+
+
+@contextlib.contextmanager
+def upstream_errors() -> Any:
+    """Translate aiohttp client errors into problems, telling "nothing was sent" from "outcome unknown".
+
+    UpstreamUnreachable means the request certainly never reached the upstream (connect failed or timed
+    out); UpstreamTimeout and UpstreamReset mean it may have been executed.
+    """
+    try:
+        yield
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        raise UpstreamUnreachable("The upstream could not be reached; nothing was sent.") from exc
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise UpstreamTimeout("The upstream did not answer in time.") from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamReset("The upstream connection broke before a full answer.") from exc
+
+
+class Upstream:
+    """One pooled client session to the upstream."""
+
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        self.base = config.url
+        self._session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self.config.max_connections, ttl_dns_cache=60)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # bytes pass through as the upstream encoded them
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=self.config.connect_timeout, sock_read=self.config.timeout
+            ),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must never keep or replay cookies itself
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Upstream.open() was not awaited"
+        return self._session
+
+    def url(self, request: web.Request) -> URL:
+        # raw_path is the request target exactly as the client sent it: path and query byte for byte.
+        return URL(self.base + request.raw_path, encoded=True)
+
+    async def send(
+        self, request: web.Request, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None
+    ) -> aiohttp.ClientResponse:
+        """Send the request (never retried here: RFC 9110 §9.2.2) and return the response head."""
+        with upstream_errors():
+            return await self.session.request(
+                request.method, self.url(request), headers=headers, data=body,
+                allow_redirects=False, compress=None, chunked=None,
+            )
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Plain reverse proxy: both bodies streamed in chunks, memory bounded."""
+        body = _stream_body(request) if request.body_exists else None
+        upstream = await self.send(request, upstream_request_headers(request), body)
+        try:
+            return await stream_response(request, upstream)
+        finally:
+            upstream.release()
+
+
+async def _stream_body(request: web.Request) -> AsyncIterator[bytes]:
+    async for chunk in request.content.iter_chunked(CHUNK):
+        yield chunk
+
+
+async def stream_response(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    *,
+    head: bytes = b"",
+    extra_headers: Iterable[tuple[str, str]] = (),
+) -> web.StreamResponse:
+    """Stream the upstream's answer to the client (``head``: bytes already read from it)."""
+    headers = client_response_headers(upstream)
+    headers.extend(extra_headers)
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+    if upstream.content_length is not None:
+        response.content_length = upstream.content_length
+    await response.prepare(request)
+    try:
+        if head:
+            await response.write(head)
+        async for chunk in upstream.content.iter_chunked(CHUNK):
+            await response.write(chunk)
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        # Headers are gone already: the only honest signal left is to cut the connection.
+        log.warning("upstream body broke mid-stream (%s); closing the client connection",
+                    type(exc).__name__)
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    await response.write_eof()
+    return response
+
+
+async def read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    """Read the body up to ``limit`` bytes; returns (bytes, complete)."""
+    parts: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = await upstream.content.read(min(CHUNK, limit + 1 - size))
+        if not chunk:
+            return b"".join(parts), True
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts), False

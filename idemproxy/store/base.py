@@ -1,0 +1,206 @@
+"""The store interface: durable idempotency records, knowing nothing of HTTP.
+
+A record per (tenant, key) moves through two states::
+
+    (absent) --claim--> IN_FLIGHT --complete(token)--> COMPLETED --ttl--> (expired: claimable)
+                            |  \\--release(token)--> (absent)
+                            \\--lease runs out--> claimable by a retry with the same fingerprint
+
+``claim`` is the one decision point: it either makes the caller the owner (a fresh lease token, the record
+IN_FLIGHT) or returns the record that stands. ``complete`` and ``release`` are fenced by the lease token, so an
+owner that stalled past its lease and was taken over can never overwrite its successor. Backends implement
+these operations atomically (one SQL statement, one Lua script, one SQLite transaction); the engine decides
+what a record means for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import ClassVar
+
+from idemproxy.metrics import Metrics
+from idemproxy.problems import StoreUnavailable
+
+
+class State(StrEnum):
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """What a replay sends back; ``body`` None means it was larger than ``max_stored_response``."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes | None
+
+
+@dataclass(frozen=True)
+class Record:
+    tenant: str
+    key: str
+    fingerprint: str
+    state: State
+    lease_token: str | None
+    lease_expires_at: float | None  # epoch seconds
+    response: StoredResponse | None
+    created_at: float
+    completed_at: float | None
+    expires_at: float
+
+    def lease_alive(self, now: float) -> bool:
+        return (
+            self.state is State.IN_FLIGHT
+            and self.lease_expires_at is not None
+            and self.lease_expires_at > now
+        )
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at <= now and not self.lease_alive(now)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The result of :meth:`Store.claim`: the record that now stands, and whether the caller owns it."""
+
+    record: Record
+    owned: bool
+    now: float  # the store's clock when it decided (lease and expiry are judged against it)
+    took_over: bool = False  # owned by taking over an in-flight record whose lease ran out
+    replaced_expired: bool = False  # owned by replacing a record whose TTL had passed
+
+    @property
+    def token(self) -> str:
+        assert self.owned and self.record.lease_token is not None
+        return self.record.lease_token
+
+
+def new_token() -> str:
+    """A lease token: unguessable, so no other request can complete or release a record it does not own."""
+    return secrets.token_hex(16)
+
+
+class Watchers:
+    """In-process futures woken when a (tenant, key) record changes; fed by each backend's notifications."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
+
+    @contextlib.contextmanager
+    def watch(self, tenant: str, key: str) -> Iterator[asyncio.Future[None]]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault((tenant, key), set())
+        waiting.add(future)
+        try:
+            yield future
+        finally:
+            waiting.discard(future)
+            if not waiting:
+                self._waiting.pop((tenant, key), None)
+
+    def notify(self, tenant: str, key: str) -> None:
+        for future in self._waiting.get((tenant, key), ()):
+            if not future.done():
+                future.set_result(None)
+
+
+@dataclass
+class Health:
+    """What ``/readyz`` reports: ready means the durable store answers."""
+
+    ready: bool
+    details: dict[str, str] = field(default_factory=dict)
+
+
+class Store(ABC):
+    """A durable record store. All times are epoch seconds; ``lease`` and ``ttl`` are seconds."""
+
+    backend: ClassVar[str]
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics
+        self.watchers = Watchers()
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Connect (with bounded retries) and prepare the schema; called once at start."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release every connection; called once at shutdown."""
+
+    @abstractmethod
+    async def claim(
+        self, tenant: str, key: str, fingerprint: str, *, lease: float, ttl: float,
+        token: str | None = None,
+    ) -> Claim:
+        """Own the record, or return the one that stands.
+
+        The caller becomes the owner (lease ``token``, or a fresh one when None; state IN_FLIGHT;
+        lease ``lease`` seconds;
+        record kept ``ttl`` seconds) when no record exists, when the record expired, or when it is IN_FLIGHT
+        with its lease run out *and* the same fingerprint (a takeover). Otherwise nothing changes and the
+        standing record is returned with ``owned`` False.
+        """
+
+    @abstractmethod
+    async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
+        """Store ``response`` and mark the record COMPLETED for ``ttl`` seconds, if ``claim``'s token
+        still owns it.
+
+        Returns False, changing nothing, when the lease was taken over (the fence).
+        """
+
+    @abstractmethod
+    async def release(self, claim: Claim) -> bool:
+        """Delete the IN_FLIGHT record if ``claim``'s token still owns it, so the key can be used again."""
+
+    @abstractmethod
+    async def get(self, tenant: str, key: str) -> Record | None:
+        """The record as stored (even if expired but not yet swept), or None."""
+
+    @abstractmethod
+    async def forget(self, tenant: str, key: str) -> bool:
+        """Delete the record whatever its state (operator action); True when one existed."""
+
+    @abstractmethod
+    async def sweep(self, limit: int) -> int:
+        """Delete up to ``limit`` expired records, never an IN_FLIGHT one whose lease is alive."""
+
+    @abstractmethod
+    async def health(self) -> Health:
+        """Ask the backend whether it answers."""
+
+    @contextlib.contextmanager
+    def watch(self, tenant: str, key: str) -> Iterator[asyncio.Future[None]]:
+        """A future resolved when the record may have changed (completed, released, forgotten).
+
+        Register it *before* reading the record, so a change in between is not missed.
+        """
+        with self.watchers.watch(tenant, key) as future:
+            yield future
+
+    @contextlib.asynccontextmanager
+    async def measured(self, operation: str, backend: str | None = None) -> AsyncIterator[None]:
+        """Time an operation and count its failure; the backend translates its own errors inside."""
+        name = backend or self.backend
+        started = time.perf_counter()
+        try:
+            yield
+        except StoreUnavailable:
+            if self.metrics is not None:
+                self.metrics.store_errors.labels(name, operation).inc()
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.store_duration.labels(name, operation).observe(
+                    time.perf_counter() - started
+                )

@@ -1,0 +1,247 @@
+"""The embedded store: one SQLite file (WAL) for a single proxy process, no servers needed.
+
+Every SQLite call runs on one dedicated thread, so the event loop never blocks on disk and all writes are
+serialised: a claim is one ``BEGIN IMMEDIATE`` transaction on that thread, which makes it atomic against
+every other operation of this process. Another process on the same file would break that, so the file is
+held with an exclusive lock and a second process is refused at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from idemproxy.config import EmbeddedConfig
+from idemproxy.metrics import Metrics
+from idemproxy.problems import StoreUnavailable
+from idemproxy.store.base import Claim, Health, Record, State, Store, StoredResponse, new_token
+
+log = logging.getLogger("idemproxy.store.embedded")
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS records (
+    tenant TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, state TEXT NOT NULL,
+    lease_token TEXT, lease_expires_at REAL, status INTEGER, headers TEXT, body BLOB,
+    body_stored INTEGER, created_at REAL NOT NULL, completed_at REAL, expires_at REAL NOT NULL,
+    PRIMARY KEY (tenant, key)
+);
+CREATE INDEX IF NOT EXISTS records_expires_at ON records (expires_at);
+"""
+_COLUMNS = (
+    "tenant, key, fingerprint, state, lease_token, lease_expires_at, status, headers, body, "
+    "body_stored, created_at, completed_at, expires_at"
+)
+
+
+class StoreLocked(Exception):
+    """Another process holds the embedded store file."""
+
+
+def _record(row: sqlite3.Row) -> Record:
+    response = None
+    if row["status"] is not None:
+        headers = tuple((str(k), str(v)) for k, v in json.loads(row["headers"] or "[]"))
+        response = StoredResponse(
+            status=row["status"], headers=headers,
+            body=bytes(row["body"]) if row["body_stored"] else None,
+        )
+    return Record(
+        tenant=row["tenant"], key=row["key"], fingerprint=row["fingerprint"],
+        state=State(row["state"]), lease_token=row["lease_token"],
+        lease_expires_at=row["lease_expires_at"], response=response, created_at=row["created_at"],
+        completed_at=row["completed_at"], expires_at=row["expires_at"],
+    )
+
+
+class EmbeddedStore(Store):
+    backend = "embedded"
+
+    def __init__(self, config: EmbeddedConfig, metrics: Metrics | None = None) -> None:
+        super().__init__(metrics)
+        self.path = config.path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idemproxy-sqlite")
+        self._db: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> None:
+        self._acquire_file_lock()
+        try:
+            await self._run("open", self._open_db)
+        except BaseException:
+            self._release_file_lock()
+            raise
+        log.warning(
+            "embedded store %s: single-instance only (one process); use PostgreSQL (+ Redis) to run "
+            "several replicas", self.path,
+        )
+
+    def _acquire_file_lock(self) -> None:
+        lock_path = f"{self.path}.lock"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLocked(
+                f"the embedded store {self.path} is in use by another idemproxy process; it is "
+                "single-instance only (configure storage.postgres to run several)"
+            ) from None
+        self._lock_fd = fd
+
+    def _release_file_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing drops the flock
+            self._lock_fd = None
+
+    def _open_db(self) -> None:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a completed record is on disk before the client sees its response, even on power loss.
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_SCHEMA)
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run("close", self._db.close)
+            self._db = None
+        self._executor.shutdown(wait=True)
+        self._release_file_lock()
+
+    async def _run(self, operation: str, fn: Callable[[], T]) -> T:
+        async with self.measured(operation):
+            loop = asyncio.get_running_loop()
+            try:
+                return await loop.run_in_executor(self._executor, fn)
+            except (sqlite3.Error, OSError) as exc:
+                raise StoreUnavailable("The idempotency store (embedded) is unavailable.") from exc
+
+    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> Callable[[], T]:
+        def run() -> T:
+            db = self._db
+            assert db is not None
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(db)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+            return result
+
+        return run
+
+    # ------------------------------------------------------------------ operations
+
+    async def claim(
+        self, tenant: str, key: str, fingerprint: str, *, lease: float, ttl: float,
+        token: str | None = None,
+    ) -> Claim:
+        token = token or new_token()
+
+        def claim(db: sqlite3.Connection) -> Claim:
+            now = time.time()
+            row = db.execute(f"SELECT {_COLUMNS} FROM records WHERE tenant=? AND key=?",
+                             (tenant, key)).fetchone()
+            current = _record(row) if row is not None else None
+            took_over = replaced = False
+            if current is not None:
+                if current.expired(now):
+                    replaced = True
+                elif (current.state is State.IN_FLIGHT and not current.lease_alive(now)
+                      and current.fingerprint == fingerprint):
+                    took_over = True
+                else:
+                    return Claim(record=current, owned=False, now=now)
+            record = Record(
+                tenant=tenant, key=key, fingerprint=fingerprint, state=State.IN_FLIGHT,
+                lease_token=token, lease_expires_at=now + lease, response=None, created_at=now,
+                completed_at=None, expires_at=now + ttl,
+            )
+            db.execute(
+                "INSERT OR REPLACE INTO records (tenant, key, fingerprint, state, lease_token, "
+                "lease_expires_at, created_at, expires_at) VALUES (?,?,?,?,?,?,?,?)",
+                (tenant, key, fingerprint, record.state.value, token, record.lease_expires_at,
+                 now, record.expires_at),
+            )
+            return Claim(record=record, owned=True, now=now, took_over=took_over,
+                         replaced_expired=replaced)
+
+        return await self._run("claim", self._tx(claim))
+
+    async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
+        record = claim.record
+        headers = json.dumps([list(pair) for pair in response.headers])
+
+        def complete(db: sqlite3.Connection) -> bool:
+            now = time.time()
+            cursor = db.execute(
+                "UPDATE records SET state='completed', status=?, headers=?, body=?, body_stored=?, "
+                "completed_at=?, expires_at=?, lease_token=NULL, lease_expires_at=NULL "
+                "WHERE tenant=? AND key=? AND lease_token=? AND state='in_flight'",
+                (response.status, headers, response.body or b"", response.body is not None, now,
+                 now + ttl, record.tenant, record.key, claim.token),
+            )
+            return cursor.rowcount == 1
+
+        done = await self._run("complete", self._tx(complete))
+        self.watchers.notify(record.tenant, record.key)
+        return done
+
+    async def release(self, claim: Claim) -> bool:
+        record = claim.record
+        done = await self._delete("release", "tenant=? AND key=? AND lease_token=?",
+                                  (record.tenant, record.key, claim.token))
+        self.watchers.notify(record.tenant, record.key)
+        return done
+
+    async def forget(self, tenant: str, key: str) -> bool:
+        done = await self._delete("forget", "tenant=? AND key=?", (tenant, key))
+        self.watchers.notify(tenant, key)
+        return done
+
+    async def _delete(self, operation: str, where: str, args: tuple[Any, ...]) -> bool:
+        def delete(db: sqlite3.Connection) -> bool:
+            return db.execute(f"DELETE FROM records WHERE {where}", args).rowcount == 1
+
+        return await self._run(operation, self._tx(delete))
+
+    async def get(self, tenant: str, key: str) -> Record | None:
+        def get() -> Record | None:
+            assert self._db is not None
+            row = self._db.execute(f"SELECT {_COLUMNS} FROM records WHERE tenant=? AND key=?",
+                                   (tenant, key)).fetchone()
+            return _record(row) if row is not None else None
+
+        return await self._run("get", get)
+
+    async def sweep(self, limit: int) -> int:
+        def sweep(db: sqlite3.Connection) -> int:
+            now = time.time()
+            cursor = db.execute(
+                "DELETE FROM records WHERE rowid IN (SELECT rowid FROM records WHERE expires_at <= ? "
+                "AND NOT (state='in_flight' AND lease_expires_at > ?) LIMIT ?)",
+                (now, now, limit),
+            )
+            return cursor.rowcount
+
+        return await self._run("sweep", self._tx(sweep))
+
+    async def health(self) -> Health:
+        try:
+            await self._run("ping", lambda: self._db.execute("SELECT 1") if self._db else None)
+        except StoreUnavailable:
+            return Health(ready=False, details={"embedded": "unavailable"})
+        return Health(ready=self._db is not None, details={"embedded": "ok"})

@@ -1,0 +1,298 @@
+"""Redis: the fast path in front of a durable store, never the only guard.
+
+Redis holds, per (tenant, key): a lock (``token fingerprint``, expiring with the lease) and, once completed, a
+copy of the stored response (for ``replay_cache_ttl``). A replay is then one Redis round trip and no SQL; a
+duplicate of an in-flight request is refused by Redis alone. Who may *forward* is still decided by the durable
+store's claim: the Redis lock only keeps most duplicates away from it.
+
+When Redis errors, the store behaves as if Redis said "unknown" and asks the durable store directly; a
+circuit breaker then skips Redis for a short while so an outage costs one failed attempt, not one per request.
+All keys of one (tenant, key) share a hash tag so Redis Cluster keeps them in one slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from idemproxy.config import RedisConfig
+from idemproxy.metrics import Metrics
+from idemproxy.store.base import (
+    Claim,
+    Health,
+    Record,
+    State,
+    Store,
+    StoredResponse,
+    new_token,
+)
+
+log = logging.getLogger("idemproxy.store.redis")
+
+SOCKET_TIMEOUT = 0.5  # seconds: Redis is the fast path; slower than this, PostgreSQL answers instead
+BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
+
+# KEYS: lock, response. ARGV: "token fingerprint", lease in ms.
+# Returns {"completed", payload} | {"in_flight", lock value, pttl} | {"acquired"}.
+_CLAIM = """
+local cached = redis.call('GET', KEYS[2])
+if cached then return {'completed', cached} end
+local lock = redis.call('GET', KEYS[1])
+if lock then return {'in_flight', lock, redis.call('PTTL', KEYS[1])} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {'acquired'}
+"""
+# KEYS: lock, response. ARGV: token, payload ('' = do not cache), cache ttl ms, channel, message.
+# Drops the lock only if it is still ours; wakes waiters everywhere.
+_SETTLE = """
+if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3]) end
+local lock = redis.call('GET', KEYS[1])
+if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return 1
+"""
+# KEYS: lock, response. ARGV: channel, message.
+_FORGET = """
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"""
+
+_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True)
+class _Fast:
+    kind: str  # completed | in_flight | acquired
+    record: Record | None = None
+
+
+def _encode(record: Record) -> bytes:
+    """A completed record as ``<json header>\\n<body bytes>`` (no base64 on the hot path)."""
+    assert record.response is not None
+    head = {
+        "f": record.fingerprint,
+        "s": record.response.status,
+        "h": record.response.headers,
+        "b": record.response.body is not None,
+        "c": record.created_at,
+        "d": record.completed_at,
+        "e": record.expires_at,
+    }
+    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + (record.response.body or b"")
+
+
+def _decode(tenant: str, key: str, payload: bytes) -> Record:
+    raw_head, _, body = payload.partition(b"\n")
+    head = json.loads(raw_head)
+    response = StoredResponse(
+        status=head["s"],
+        headers=tuple((str(k), str(v)) for k, v in head["h"]),
+        body=body if head["b"] else None,
+    )
+    return Record(
+        tenant=tenant, key=key, fingerprint=head["f"], state=State.COMPLETED, lease_token=None,
+        lease_expires_at=None, response=response, created_at=head["c"], completed_at=head["d"],
+        expires_at=head["e"],
+    )
+
+
+class RedisFrontedStore(Store):
+    """A durable store with Redis in front: lock, replay cache and completion notifications."""
+
+    backend = "redis"
+
+    def __init__(self, durable: Store, config: RedisConfig, metrics: Metrics | None = None) -> None:
+        super().__init__(metrics)
+        self.durable = durable
+        self.watchers = durable.watchers  # one set of waiters, woken by either notification path
+        self.config = config
+        self.channel = f"{config.key_prefix}changed"
+        self.redis: Any = aioredis.from_url(
+            config.url.reveal(), socket_timeout=SOCKET_TIMEOUT,
+            socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
+        )
+        # Registered once; each call is one EVALSHA (EVAL only after a Redis restart lost the script).
+        self._claim_script = self.redis.register_script(_CLAIM)
+        self._settle_script = self.redis.register_script(_SETTLE)
+        self._forget_script = self.redis.register_script(_FORGET)
+        self._down_until = 0.0
+        self._subscriber: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> None:
+        await self.durable.open()
+        self._subscriber = asyncio.create_task(self._subscribe(), name="idemproxy-redis-subscriber")
+
+    async def close(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._subscriber
+        with contextlib.suppress(*_ERRORS):
+            await self.redis.aclose()
+        await self.durable.close()
+
+    async def _subscribe(self) -> None:
+        """Deliver completion messages to local waiters; reconnect after Redis comes back."""
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        tenant, _, key = message["data"].decode().partition("\x1f")
+                        self.watchers.notify(tenant, key)
+            except _ERRORS:
+                await asyncio.sleep(BREAKER_COOLDOWN)
+            finally:
+                with contextlib.suppress(*_ERRORS):
+                    await pubsub.aclose()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _keys(self, tenant: str, key: str) -> list[str]:
+        # The tag is a digest: raw keys never appear in Redis, and a '}' in a key cannot split the slot.
+        tag = hashlib.sha256(f"{tenant}\x1f{key}".encode()).hexdigest()[:32]
+        prefix = self.config.key_prefix
+        return [f"{prefix}{{{tag}}}:lock", f"{prefix}{{{tag}}}:resp"]
+
+    @contextlib.asynccontextmanager
+    async def _fast(self, operation: str) -> AsyncIterator[list[bool]]:
+        """Run a Redis step; on any Redis error note it, open the breaker and carry on without it.
+
+        Yields a one-item list the caller reads to learn whether Redis may be used at all.
+        """
+        usable = [time.monotonic() >= self._down_until]
+        if not usable[0]:
+            yield usable
+            return
+        started = time.perf_counter()
+        try:
+            yield usable
+        except _ERRORS as exc:
+            usable[0] = False
+            self._down_until = time.monotonic() + BREAKER_COOLDOWN
+            if self.metrics is not None:
+                self.metrics.store_errors.labels("redis", operation).inc()
+            log.warning("redis %s failed (%s); serving from %s alone", operation,
+                        type(exc).__name__, self.durable.backend)
+        finally:
+            if self.metrics is not None and usable[0]:
+                self.metrics.store_duration.labels("redis", operation).observe(
+                    time.perf_counter() - started
+                )
+
+    def _message(self, tenant: str, key: str) -> str:
+        return f"{tenant}\x1f{key}"
+
+    # ------------------------------------------------------------------ operations
+
+    async def _fast_claim(self, tenant: str, key: str, fingerprint: str, token: str,
+                          lease: float) -> _Fast | None:
+        async with self._fast("claim") as usable:
+            if usable[0]:
+                reply = await self._claim_script(
+                    keys=self._keys(tenant, key), args=[f"{token} {fingerprint}", int(lease * 1000)]
+                )
+                kind = reply[0].decode()
+                if kind == "completed":
+                    return _Fast(kind, _decode(tenant, key, reply[1]))
+                if kind == "in_flight":
+                    _, lock_fp = reply[1].decode().split(" ", 1)
+                    now = time.time()
+                    pttl = max(int(reply[2]), 0) / 1000
+                    return _Fast(kind, Record(
+                        tenant=tenant, key=key, fingerprint=lock_fp, state=State.IN_FLIGHT,
+                        lease_token=None, lease_expires_at=now + pttl, response=None,
+                        created_at=now, completed_at=None, expires_at=now + pttl,
+                    ))
+                return _Fast("acquired")
+        return None
+
+    async def claim(
+        self, tenant: str, key: str, fingerprint: str, *, lease: float, ttl: float,
+        token: str | None = None,
+    ) -> Claim:
+        token = token or new_token()
+        fast = await self._fast_claim(tenant, key, fingerprint, token, lease)
+        if fast is not None and fast.record is not None:
+            return Claim(record=fast.record, owned=False, now=time.time())
+        # Redis granted the lock, or could not answer: the durable store decides (guarantee 4).
+        try:
+            claim = await self.durable.claim(
+                tenant, key, fingerprint, lease=lease, ttl=ttl, token=token
+            )
+        except BaseException:
+            if fast is not None:
+                await self._settle(tenant, key, token, b"", 0)
+            raise
+        if fast is not None and not claim.owned:
+            # Redis had lost what the durable store knows (restart, eviction): drop our lock and, for a
+            # completed record, refill the replay cache so the next retry is fast again.
+            record = claim.record
+            payload = _encode(record) if record.state is State.COMPLETED else b""
+            await self._settle(tenant, key, token, payload, record.expires_at - claim.now)
+        return claim
+
+    async def _settle(self, tenant: str, key: str, token: str, payload: bytes, ttl: float) -> None:
+        """Cache ``payload`` (if any), drop the lock if ``token`` holds it, and wake waiters."""
+        cache_ms = max(1, int(min(self.config.replay_cache_ttl, ttl) * 1000))
+        async with self._fast("settle") as usable:
+            if usable[0]:
+                await self._settle_script(
+                    keys=self._keys(tenant, key),
+                    args=[token, payload, cache_ms, self.channel, self._message(tenant, key)],
+                )
+
+    async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
+        done = await self.durable.complete(claim, response, ttl=ttl)
+        payload = b""
+        if done:  # only a response the durable store accepted may ever be replayed from the cache
+            now = time.time()
+            payload = _encode(replace(
+                claim.record, state=State.COMPLETED, lease_token=None, lease_expires_at=None,
+                response=response, completed_at=now, expires_at=now + ttl,
+            ))
+        await self._settle(claim.record.tenant, claim.record.key, claim.token, payload, ttl)
+        return done
+
+    async def release(self, claim: Claim) -> bool:
+        done = await self.durable.release(claim)
+        await self._settle(claim.record.tenant, claim.record.key, claim.token, b"", 0)
+        return done
+
+    async def get(self, tenant: str, key: str) -> Record | None:
+        return await self.durable.get(tenant, key)
+
+    async def forget(self, tenant: str, key: str) -> bool:
+        done = await self.durable.forget(tenant, key)
+        async with self._fast("forget") as usable:
+            if usable[0]:
+                await self._forget_script(
+                    keys=self._keys(tenant, key), args=[self.channel, self._message(tenant, key)]
+                )
+        return done
+
+    async def sweep(self, limit: int) -> int:
+        return await self.durable.sweep(limit)  # Redis entries expire by their own TTL
+
+    async def health(self) -> Health:
+        health = await self.durable.health()
+        try:
+            await asyncio.wait_for(self.redis.ping(), SOCKET_TIMEOUT * 2)
+            health.details["redis"] = "ok"
+        except _ERRORS:
+            health.details["redis"] = "unavailable (degraded: served from PostgreSQL alone, slower)"
+        return health
