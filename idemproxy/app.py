@@ -73,7 +73,11 @@ class Proxy:
 
     def proxy_app(self) -> web.Application:
         """The public app; its cleanup context owns this Proxy's start and stop."""
-        app = web.Application(middlewares=[problem_middleware], handler_args={"max_field_size": 16384})
+        # auto_decompress off: a gzip request body must reach the upstream (and the fingerprint) as sent.
+        app = web.Application(
+            middlewares=[problem_middleware],
+            handler_args={"max_field_size": 16384, "auto_decompress": False},
+        )
         app[PROXY] = self
         app.cleanup_ctx.append(self._lifecycle)
         app.router.add_route("*", "/{tail:.*}", self.engine.handle)

@@ -69,7 +69,11 @@ def _load(path: str | None, overrides: dict[str, Any] | None = None) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = _load(args.config, _overrides(args))
+    overrides = _overrides(args)
+    if args.config is None:
+        # First-try defaults: no file, so no tenant header to demand; one static tenant.
+        overrides["tenant.from"] = "static"
+    config = _load(args.config, overrides)
     setup_logging(config.log)
     if config.workers > 1 and not args.reuse_port:
         from idemproxy.workers import run_workers

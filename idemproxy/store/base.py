@@ -7,10 +7,10 @@ A record per (tenant, key) moves through two states::
                             \\--lease runs out--> claimable by a retry with the same fingerprint
 
 ``claim`` is the one decision point: it either makes the caller the owner (a fresh lease token, the record
-IN_FLIGHT) or returns the record that stands. ``complete`` and ``release`` are fenced by the lease token, so an
-owner that stalled past its lease and was taken over can never overwrite its successor. Backends implement
-these operations atomically (one SQL statement, one Lua script, one SQLite transaction); the engine decides
-what a record means for the request.
+IN_FLIGHT) or returns the record that stands. ``complete`` and ``release`` are fenced by the lease token, so
+an owner that stalled past its lease and was taken over can never overwrite its successor. Backends
+implement these operations atomically (one SQL statement, one Lua script, one SQLite transaction);
+the engine decides what a record means for the request.
 """
 
 from __future__ import annotations

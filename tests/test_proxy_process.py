@@ -1,0 +1,116 @@
+"""The proxy as a real process: bounded memory while streaming, graceful shutdown, CLI start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+
+from tests.proxyproc import ProxyProcess
+from tests.servers import free_port
+from tests.upstream import RecordingUpstream, pattern_sha256
+
+MiB = 1024 * 1024
+SIZE = 100 * MiB
+RSS_LIMIT = 100 * MiB
+
+Factory = Callable[..., ProxyProcess]
+
+
+def embedded(upstream: RecordingUpstream, tmp_path: Path) -> dict[str, object]:
+    return {"upstream": {"url": upstream.url, "timeout": "20s"},
+            "storage": {"embedded": {"path": str(tmp_path / "s.sqlite3")}},
+            "log": {"access": "off"}}
+
+
+async def test_100_mib_each_way_streams_with_bounded_memory(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    proxy = proxy_process(embedded(upstream, tmp_path))
+    await proxy.start()
+    block = bytes(range(256)) * 4096  # 1 MiB
+    sent = hashlib.sha256()
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(SIZE // len(block)):
+            sent.update(block)
+            yield block
+
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        # POST without an idempotency key: a plain streamed pass-through
+        async with session.post(proxy.url + "/stream/upload", data=body()) as resp:
+            assert resp.status == 200
+            result = await resp.json()
+        assert result == {"size": SIZE, "sha256": sent.hexdigest()}
+
+        received = hashlib.sha256()
+        size = 0
+        async with session.get(proxy.url + f"/stream/download?size={SIZE}") as resp:
+            assert resp.status == 200
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                received.update(chunk)
+                size += len(chunk)
+        assert size == SIZE and received.hexdigest() == pattern_sha256(SIZE)
+
+    peak = proxy.peak_rss_bytes()
+    assert peak < RSS_LIMIT, f"peak RSS {peak / MiB:.1f} MiB"
+
+
+async def test_sigterm_lets_in_flight_requests_finish(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    proxy = proxy_process(embedded(upstream, tmp_path))
+    await proxy.start()
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.ensure_future(session.post(
+            proxy.url + "/pay", data=b"{}",
+            headers={"Idempotency-Key": "k1", "Authorization": "t", "X-Test-Delay": "1"},
+        ))
+        while upstream.count(key="k1") == 0:  # the upstream is executing it now
+            await asyncio.sleep(0.01)
+        assert proxy.proc is not None
+        proxy.proc.send_signal(signal.SIGTERM)
+        resp = await request
+        assert resp.status == 201
+        assert resp.headers["Idempotent-Replayed"] == "false"
+        resp.release()
+    assert await asyncio.to_thread(proxy.proc.wait, 20) == 0
+
+
+async def test_serve_with_only_an_upstream_flag_runs_on_the_embedded_store(
+    upstream: RecordingUpstream, tmp_path: Path
+) -> None:
+    port, admin = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "idemproxy", "serve", "--upstream", upstream.url, "--port", str(port),
+         "--admin-port", str(admin)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(200):
+                try:
+                    async with session.get(f"http://127.0.0.1:{admin}/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.05)
+            # no tenant header: first-try defaults use a static tenant
+            for _ in range(2):
+                async with session.post(f"http://127.0.0.1:{port}/v1/charges", json={"a": 1},
+                                        headers={"Idempotency-Key": "first-try"}) as resp:
+                    assert resp.status == 201
+                    replayed = resp.headers["Idempotent-Replayed"]
+        assert replayed == "true" and upstream.count(key="first-try") == 1
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=20)[0].decode()
+    assert "single-instance only" in output
+    assert (tmp_path / "idemproxy.sqlite3").exists()

@@ -1,0 +1,120 @@
+"""A real upstream HTTP server for tests: it records every request it executed and misbehaves on demand.
+
+A request steers it with headers (so concurrent tests never share state):
+  X-Test-Delay: seconds      wait before answering (after recording the execution)
+  X-Test-Status: code        answer with this status
+  X-Test-Hang: 1             never answer (until the test ends)
+  X-Test-Drop: 1             close the connection without answering (after executing)
+  X-Test-Size: bytes         answer with a body of this many bytes
+  X-Test-Set-Cookie: value   add a Set-Cookie header
+  X-Test-Hop: 1              answer with hop-by-hop headers (Connection-named, Keep-Alive)
+The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+
+@dataclass
+class Executed:
+    method: str
+    path_qs: str
+    headers: CIMultiDict[str]
+    body: bytes
+    serial: int
+
+
+@dataclass
+class RecordingUpstream:
+    executed: list[Executed] = field(default_factory=list)
+    url: str = ""
+    _serial: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _hangs: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1024**3, handler_args={"auto_decompress": False})
+        app.router.add_post("/stream/upload", self.upload)
+        app.router.add_get("/stream/download", self.download)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+    def count(self, key: str | None = None, path: str | None = None) -> int:
+        return sum(
+            1 for e in self.executed
+            if (key is None or e.headers.get("Idempotency-Key") == key)
+            and (path is None or e.path_qs.split("?")[0] == path)
+        )
+
+    def release_hangs(self) -> None:
+        self._hangs.set()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        serial = next(self._serial)
+        self.executed.append(Executed(request.method, request.raw_path, CIMultiDict(request.headers),
+                                      body, serial))
+        h = request.headers
+        if "X-Test-Delay" in h:
+            await asyncio.sleep(float(h["X-Test-Delay"]))
+        if "X-Test-Hang" in h:
+            await self._hangs.wait()
+        if "X-Test-Drop" in h:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        status = int(h.get("X-Test-Status", "201" if request.method == "POST" else "200"))
+        headers = {"X-Upstream-Serial": str(serial), "X-Custom": "kept"}
+        if "X-Test-Hop" in h:  # hop-by-hop headers the proxy must not pass on
+            headers.update({"Connection": "X-Up-Private", "X-Up-Private": "1", "Keep-Alive": "timeout=5"})
+        if "X-Test-Set-Cookie" in h:
+            headers["Set-Cookie"] = h["X-Test-Set-Cookie"]
+        if "X-Test-Size" in h:
+            return web.Response(status=status, body=b"x" * int(h["X-Test-Size"]), headers=headers)
+        payload = {"serial": serial, "method": request.method, "path": request.raw_path,
+                   "body": body.decode(errors="replace")}
+        return web.Response(status=status, text=json.dumps(payload), content_type="application/json",
+                            headers=headers)
+
+    async def upload(self, request: web.Request) -> web.Response:
+        digest = hashlib.sha256()
+        size = 0
+        async for chunk in request.content.iter_chunked(1 << 16):
+            digest.update(chunk)
+            size += len(chunk)
+        self.executed.append(Executed(request.method, request.raw_path, CIMultiDict(request.headers),
+                                      b"", next(self._serial)))
+        return web.json_response({"size": size, "sha256": digest.hexdigest()})
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        size = int(request.query["size"])
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        response.content_length = size
+        await response.prepare(request)
+        block = bytes(range(256)) * 256  # 64 KiB
+        sent = 0
+        while sent < size:
+            part = block[: min(len(block), size - sent)]
+            await response.write(part)
+            sent += len(part)
+        await response.write_eof()
+        return response
+
+
+def pattern_sha256(size: int) -> str:
+    """The digest of what /stream/download?size=N sends."""
+    digest = hashlib.sha256()
+    block = bytes(range(256)) * 256
+    sent = 0
+    while sent < size:
+        part = block[: min(len(block), size - sent)]
+        digest.update(part)
+        sent += len(part)
+    return digest.hexdigest()
