@@ -94,7 +94,9 @@ def parse_key(values: list[str], max_length: int) -> str:
     if len(values) != 1:
         raise InvalidKey("The idempotency key header must be sent exactly once.")
     key = values[0].strip()
-    if len(key) >= 2 and key[0] == key[-1] == '"':
+    if key.startswith('"'):  # an RFC 9651 sf-string: must be closed, and means the key it quotes
+        if len(key) < 2 or not key.endswith('"'):
+            raise InvalidKey("The quoted idempotency key has no closing quote.")
         key = _unquote_sf_string(key[1:-1])
     if not key:
         raise InvalidKey("The idempotency key is empty.")
@@ -223,10 +225,13 @@ class Engine:
 
     def resolve_tenant(self, request: web.Request) -> str:
         """The tenant a key belongs to; the credential itself is hashed and never stored."""
+        return self.resolve_tenant_value(request.headers.get(self.config.tenant.header))
+
+    def resolve_tenant_value(self, value: str | None) -> str:
+        """The tenant id for a tenant header value (the same rule the admin API uses)."""
         tenant = self.config.tenant
         if tenant.from_ == "static":
             return tenant.static
-        value = request.headers.get(tenant.header, "")
         if not value:
             if tenant.required:
                 raise MissingTenant(f"The {tenant.header} header is required to scope idempotency keys.")

@@ -108,6 +108,11 @@ DELETE FROM {TABLE} WHERE ctid IN (
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
 
 
+async def _no_reset(_conn: Any) -> None:
+    """Skip asyncpg's reset query on every release: it would cost a round trip per operation, and this
+    store leaves no session state behind (no LISTEN, cursors or session-level locks on pool connections)."""
+
+
 def _epoch(value: datetime | None) -> float | None:
     return value.timestamp() if value is not None else None
 
@@ -181,6 +186,13 @@ class PostgresStore(Store):
         self.listen = listen  # LISTEN/NOTIFY wakes `wait` mode when no Redis carries notifications
         self._pool: Any = None
         self._listener: Any = None
+        self.statements = 0  # statements sent, for diagnostics and the round-trip budget tests
+
+    async def _init_connection(self, conn: Any) -> None:
+        conn.add_query_logger(self._count_statement)
+
+    def _count_statement(self, _query: Any) -> None:
+        self.statements += 1
 
     async def open(self) -> None:
         dsn = self.config.dsn.reveal()
@@ -188,6 +200,7 @@ class PostgresStore(Store):
             lambda: asyncpg.create_pool(
                 dsn, min_size=self.config.pool_min, max_size=self.config.pool_max,
                 command_timeout=OPERATION_TIMEOUT, timeout=OPERATION_TIMEOUT,
+                init=self._init_connection, reset=_no_reset,
             ),
             "PostgreSQL",
         )

@@ -1,0 +1,411 @@
+"""The request order and the outcome table, end to end: real client, real proxy, real stores, real upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import BACKENDS, ProxyFactory, RunningProxy
+from tests.servers import free_port
+from tests.upstream import RecordingUpstream
+
+CHARGE = {"amount": 1000, "currency": "eur"}
+
+
+def problem(body: bytes) -> dict[str, Any]:
+    return dict(json.loads(body))
+
+
+async def first_and_retry(proxy: RunningProxy, key: str, **kw: Any) -> tuple[Any, Any]:
+    return await proxy.post("/v1/charges", key=key, **kw), await proxy.post("/v1/charges", key=key, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- replay
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_retry_is_replayed_byte_for_byte_and_executed_once(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    proxy = await make_proxy(backend)
+    headers = {"X-Test-Set-Cookie": "session=abc", "Content-Type": "application/json"}
+    (first, first_body), (again, again_body) = await first_and_retry(
+        proxy, "k-1", body=json.dumps(CHARGE), headers=headers
+    )
+    assert first.status == 201 and first.headers["Idempotent-Replayed"] == "false"
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert again_body == first_body
+    assert again.headers["Content-Type"] == first.headers["Content-Type"]
+    assert again.headers["X-Custom"] == "kept" and again.headers["X-Upstream-Serial"] == "1"
+    assert "Set-Cookie" in first.headers and "Set-Cookie" not in again.headers
+    assert "Date" in again.headers
+    assert upstream.count(key="k-1") == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_same_key_other_payload_is_422_and_not_executed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    proxy = await make_proxy(backend)
+    await proxy.post("/v1/charges", key="k-2", body=CHARGE)
+    resp, body = await proxy.post("/v1/charges", key="k-2", body={**CHARGE, "amount": 2500})
+    assert resp.status == 422 and problem(body)["code"] == "payload_mismatch"
+    assert resp.headers["Content-Type"] == "application/problem+json"
+    assert "Idempotent-Replayed" not in resp.headers
+    assert upstream.count(key="k-2") == 1
+
+
+async def test_json_key_order_and_whitespace_do_not_matter(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy()
+    await proxy.post("/v1/charges", key="k-3", body=b'{"amount": 1000, "currency": "eur"}')
+    resp, _ = await proxy.post("/v1/charges", key="k-3", body=b'{ "currency":"eur",\n "amount":1000 }')
+    assert resp.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="k-3") == 1
+
+
+async def test_path_and_query_are_part_of_the_fingerprint(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy()
+    await proxy.post("/v1/charges?x=1", key="k-q", body=CHARGE)
+    resp, _body = await proxy.post("/v1/charges?x=2", key="k-q", body=CHARGE)
+    assert resp.status == 422
+    assert upstream.count(key="k-q") == 1
+
+
+async def test_fingerprint_headers_must_match(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy(idempotency={"fingerprint_headers": ["X-Account"]})
+    await proxy.post("/v1/charges", key="k-h", body=CHARGE, headers={"X-Account": "a"})
+    resp, _ = await proxy.post("/v1/charges", key="k-h", body=CHARGE, headers={"X-Account": "b"})
+    assert resp.status == 422
+    resp, _ = await proxy.post("/v1/charges", key="k-h", body=CHARGE, headers={"X-Account": "a"})
+    assert resp.headers["Idempotent-Replayed"] == "true"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_tenants_are_sealed_off(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    proxy = await make_proxy(backend)
+    a, a_body = await proxy.post("/v1/charges", key="shared", body=CHARGE, tenant="Bearer alice")
+    b, b_body = await proxy.post("/v1/charges", key="shared", body={"other": 1}, tenant="Bearer bob")
+    assert a.status == b.status == 201
+    assert b.headers["Idempotent-Replayed"] == "false"
+    assert json.loads(a_body)["serial"] != json.loads(b_body)["serial"]
+    again, again_body = await proxy.post("/v1/charges", key="shared", body={"other": 1}, tenant="Bearer bob")
+    assert again_body == b_body and again.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="shared") == 2
+    # the raw credential is never stored
+    record = await proxy.proxy.store.get("Bearer alice", "shared")
+    assert record is None
+
+
+# ---------------------------------------------------------------------------------- request order
+
+
+async def test_uncovered_method_is_proxied_even_with_a_key(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy()
+    for _ in range(2):
+        resp, _ = await proxy.post("/v1/charges", key="k-get", method="GET")
+        assert "Idempotent-Replayed" not in resp.headers
+    assert upstream.count(key="k-get") == 2
+
+
+async def test_disabled_route_is_plain_proxy(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy(routes=[{"prefix": "/v1/events", "enabled": False}])
+    for _ in range(2):
+        await proxy.post("/v1/events", key="k-ev", body=CHARGE)
+    assert upstream.count(key="k-ev") == 2
+
+
+async def test_no_key_is_pass_through_without_tenant(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy()
+    resp, _ = await proxy.post("/v1/charges", body=CHARGE, tenant=None)
+    assert resp.status == 201 and "Idempotent-Replayed" not in resp.headers
+
+
+async def test_required_route_without_key_is_400(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True}])
+    resp, body = await proxy.post("/v1/charges", body=CHARGE)
+    assert resp.status == 400 and problem(body)["code"] == "missing_key"
+    resp, body = await proxy.post("/v1/charges", body=CHARGE, tenant=None)
+    assert resp.status == 401 and problem(body)["code"] == "missing_tenant"  # tenant is checked first
+    assert upstream.executed == []
+
+
+async def test_missing_tenant_is_401(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy()
+    resp, body = await proxy.post("/v1/charges", key="k", body=CHARGE, tenant=None)
+    assert resp.status == 401 and problem(body)["code"] == "missing_tenant"
+    assert upstream.executed == []
+
+
+async def test_static_tenant(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy(tenant={"from": "static", "static": "shop-1"})
+    await proxy.post("/v1/charges", key="k-s", body=CHARGE, tenant=None)
+    resp, _ = await proxy.post("/v1/charges", key="k-s", body=CHARGE, tenant="Bearer anyone")
+    assert resp.headers["Idempotent-Replayed"] == "true"
+    assert await proxy.proxy.store.get("shop-1", "k-s") is not None
+
+
+@pytest.mark.parametrize(
+    "key", ["", "x" * 256, "caf\u00e9", "tab\there", '"unterminated', '"bad\\escape"'],
+    ids=["empty", "too-long", "non-ascii", "control", "quote", "escape"],
+)
+async def test_invalid_keys_are_400(make_proxy: ProxyFactory, upstream: RecordingUpstream, key: str) -> None:
+    proxy = await make_proxy()
+    resp, body = await proxy.post(
+        "/v1/charges", body=CHARGE, headers={"Idempotency-Key": key.encode("utf-8").decode("latin-1")}
+    )
+    assert resp.status == 400 and problem(body)["code"] == "invalid_key"
+    assert upstream.executed == []
+
+
+async def test_repeated_key_header_is_400(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy()
+    from multidict import CIMultiDict
+
+    headers = CIMultiDict([("Idempotency-Key", "a"), ("Idempotency-Key", "b"), ("Authorization", "t")])
+    async with proxy.session.post(proxy.url + "/v1/charges", json=CHARGE, headers=headers) as resp:
+        assert resp.status == 400 and (await resp.json(content_type=None))["code"] == "invalid_key"
+    assert upstream.executed == []
+
+
+async def test_quoted_key_is_the_same_key(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy()
+    await proxy.post("/v1/charges", key='"order-\\"7"', body=CHARGE)
+    resp, _ = await proxy.post("/v1/charges", key='order-"7', body=CHARGE)
+    assert resp.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count() == 1
+
+
+async def test_body_over_the_limit_is_413(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy(idempotency={"max_request_body": "1KiB"})
+    resp, body = await proxy.post("/v1/charges", key="big", body=b"x" * 1025)
+    assert resp.status == 413 and problem(body)["code"] == "body_too_large"
+
+    async def chunked() -> Any:  # no Content-Length: the limit is enforced while reading
+        for _ in range(3):
+            yield b"y" * 600
+
+    async with proxy.session.post(proxy.url + "/v1/charges", data=chunked(),
+                                  headers={"Idempotency-Key": "big2", "Authorization": "t"}) as resp:
+        assert resp.status == 413
+    resp, _ = await proxy.post("/v1/charges", key="ok", body=b"x" * 1024)
+    assert resp.status == 201
+    assert upstream.count() == 1
+
+
+async def test_key_is_forwarded_upstream_unless_disabled(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy()
+    await proxy.post("/v1/charges", key="fwd", body=CHARGE)
+    assert upstream.executed[-1].headers["Idempotency-Key"] == "fwd"
+    quiet = await make_proxy(upstream={"forward_key": False})
+    await quiet.post("/v1/other", key="nofwd", body=CHARGE)
+    assert "Idempotency-Key" not in upstream.executed[-1].headers
+
+
+# ---------------------------------------------------------------------------------------- outcomes
+
+
+@pytest.mark.parametrize("status", [200, 201, 400, 404, 500])
+async def test_kept_statuses_are_replayed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, status: int
+) -> None:
+    proxy = await make_proxy()
+    (first, _), (again, _) = await first_and_retry(
+        proxy, f"s-{status}", body=CHARGE, headers={"X-Test-Status": str(status)}
+    )
+    assert first.status == again.status == status
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key=f"s-{status}") == 1
+
+
+@pytest.mark.parametrize("status", [408, 409, 425, 429, 503])
+async def test_release_statuses_free_the_key(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, status: int
+) -> None:
+    proxy = await make_proxy()
+    (first, _), (again, _) = await first_and_retry(
+        proxy, f"r-{status}", body=CHARGE, headers={"X-Test-Status": str(status)}
+    )
+    assert first.status == again.status == status
+    assert first.headers["Idempotent-Replayed"] == again.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key=f"r-{status}") == 2
+
+
+async def test_5xx_released_when_store_5xx_is_off(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy(idempotency={"store_5xx": False})
+    await first_and_retry(proxy, "s5", body=CHARGE, headers={"X-Test-Status": "500"})
+    assert upstream.count(key="s5") == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_unreachable_upstream_releases_the_key(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    dead = await make_proxy(backend, upstream_url=f"http://127.0.0.1:{free_port()}")
+    resp, body = await dead.post("/v1/charges", key="unr", body=CHARGE)
+    assert resp.status == 502 and problem(body)["code"] == "upstream_unreachable"
+    tenant = dead.proxy.engine.resolve_tenant_value("Bearer t1")
+    assert await dead.proxy.store.get(tenant, "unr") is None
+    await dead.session.close()
+    await dead.server.close()
+    live = await make_proxy(backend)  # same store: the key is free, the retry executes
+    resp, _ = await live.post("/v1/charges", key="unr", body=CHARGE)
+    assert resp.status == 201 and upstream.count(key="unr") == 1
+
+
+@pytest.mark.parametrize(
+    ("policy", "retry_status", "executions"),
+    [("keep_lease", 409, 1), ("release", 201, 2), ("store", 504, 1)],
+)
+async def test_timeout_follows_on_unknown_outcome(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, policy: str, retry_status: int, executions: int
+) -> None:
+    proxy = await make_proxy(upstream={"timeout": "300ms"}, idempotency={"on_unknown_outcome": policy})
+    resp, body = await proxy.post("/v1/charges", key=f"t-{policy}", body=CHARGE,
+                                  headers={"X-Test-Delay": "2"})
+    assert resp.status == 504 and problem(body)["code"] == "upstream_timeout"
+    again, _ = await proxy.post("/v1/charges", key=f"t-{policy}", body=CHARGE)
+    assert again.status == retry_status
+    if retry_status == 409:
+        assert int(again.headers["Retry-After"]) >= 1
+    assert upstream.count(key=f"t-{policy}") == executions
+
+
+async def test_connection_reset_keeps_the_lease(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy()
+    resp, body = await proxy.post("/v1/charges", key="reset", body=CHARGE, headers={"X-Test-Drop": "1"})
+    assert resp.status == 502 and problem(body)["code"] == "upstream_reset"
+    again, body = await proxy.post("/v1/charges", key="reset", body=CHARGE)
+    assert again.status == 409 and problem(body)["code"] == "in_flight"
+    assert upstream.count(key="reset") == 1
+
+
+@pytest.mark.parametrize(("policy", "retry_status"), [("keep_lease", 409), ("store", 502)])
+async def test_upstream_502_is_an_unknown_outcome(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, policy: str, retry_status: int
+) -> None:
+    proxy = await make_proxy(idempotency={"on_unknown_outcome": policy})
+    resp, _ = await proxy.post("/v1/charges", key="u502", body=CHARGE, headers={"X-Test-Status": "502"})
+    assert resp.status == 502 and resp.headers["Idempotent-Replayed"] == "false"
+    again, _ = await proxy.post("/v1/charges", key="u502", body=CHARGE)
+    assert again.status == retry_status
+    assert upstream.count(key="u502") == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_response_too_large_to_store_is_never_re_executed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    proxy = await make_proxy(backend, idempotency={"max_stored_response": "4KiB"})
+    resp, body = await proxy.post("/v1/charges", key="huge", body=CHARGE, headers={"X-Test-Size": "100000"})
+    assert resp.status == 201 and len(body) == 100000
+    again, body = await proxy.post("/v1/charges", key="huge", body=CHARGE)
+    assert again.status == 502
+    assert problem(body)["code"] == "response_not_replayable" and problem(body)["original_status"] == 201
+    assert upstream.count(key="huge") == 1
+
+
+async def test_in_flight_duplicate_is_409_with_retry_after(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy()
+    first = asyncio.ensure_future(proxy.post("/v1/charges", key="busy", body=CHARGE,
+                                             headers={"X-Test-Delay": "1"}))
+    while upstream.count(key="busy") == 0:
+        await asyncio.sleep(0.005)
+    resp, body = await proxy.post("/v1/charges", key="busy", body=CHARGE)
+    assert resp.status == 409 and problem(body)["code"] == "in_flight"
+    assert 1 <= int(resp.headers["Retry-After"]) <= 60
+    assert (await first)[0].status == 201
+    assert upstream.count(key="busy") == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_client_disconnect_does_not_stop_execution_or_store(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    proxy = await make_proxy(backend)
+    first = asyncio.ensure_future(proxy.post("/v1/charges", key="gone", body=CHARGE,
+                                             headers={"X-Test-Delay": "0.5"}))
+    while upstream.count(key="gone") == 0:
+        await asyncio.sleep(0.005)
+    first.cancel()  # the client goes away mid-request
+    await proxy.session.close()
+    await proxy.proxy.engine.drain()  # the shielded forward-and-store finishes on its own
+    import aiohttp
+
+    proxy.session = aiohttp.ClientSession()
+    resp, _body = await proxy.post("/v1/charges", key="gone", body=CHARGE)
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="gone") == 1
+
+
+async def test_lease_takeover_after_the_lease_runs_out(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy(upstream={"timeout": "200ms"}, idempotency={"lease": "600ms"})
+    resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE, headers={"X-Test-Delay": "1"})
+    assert resp.status == 504  # outcome unknown: the lease is kept
+    resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE)
+    assert resp.status == 409
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    record = await proxy.proxy.store.get(tenant, "take")
+    assert record is not None and record.lease_expires_at is not None
+    await asyncio.sleep(max(record.lease_expires_at - time.time(), 0) + 0.05)
+    resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE)
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="take") == 2
+    assert proxy.proxy.metrics.lease_takeovers._value.get() == 1
+
+
+async def test_ttl_expiry_makes_the_key_usable_again(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy(upstream={"timeout": "100ms"},
+                             idempotency={"lease": "200ms", "ttl": "300ms"})
+    await proxy.post("/v1/charges", key="ttl", body=CHARGE)
+    resp, _ = await proxy.post("/v1/charges", key="ttl", body={"different": True})
+    assert resp.status == 422
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    record = await proxy.proxy.store.get(tenant, "ttl")
+    assert record is not None
+    await asyncio.sleep(max(record.expires_at - time.time(), 0) + 0.05)
+    resp, _ = await proxy.post("/v1/charges", key="ttl", body={"different": True})
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="ttl") == 2
+
+
+# -------------------------------------------------------------------------------------- metrics
+
+
+async def test_metrics_label_routes_and_outcomes(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy(routes=[{"prefix": "/v1/charges"}])
+    await first_and_retry(proxy, "m1", body=CHARGE)
+    await proxy.post("/v1/charges", key="m1", body={"x": 1})
+    await proxy.post("/elsewhere/123", key="m2", body=CHARGE)
+    text = proxy.proxy.metrics.render().decode()
+    for outcome in ("forwarded", "replayed", "payload_mismatch"):
+        assert f'idemproxy_requests_total{{method="POST",outcome="{outcome}",route="/v1/charges"}} 1.0' in text
+    assert 'idemproxy_requests_total{method="POST",outcome="forwarded",route="other"} 1.0' in text
+    assert "m1" not in text and "/elsewhere/123" not in text
+    assert 'idemproxy_overhead_seconds_bucket{le="0.0001",outcome="replayed"}' in text
+    assert 'idemproxy_store_duration_seconds_count{backend="redis",operation="claim"}' in text
+    assert 'idemproxy_store_duration_seconds_count{backend="postgres",operation="complete"}' in text
+    assert "idemproxy_in_flight_requests 0.0" in text
