@@ -1,0 +1,159 @@
+"""Real concurrent duplicates and real crashes; every assertion counts what the upstream actually executed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import BACKENDS, ProxyFactory, StorageFactory
+from tests.proxyproc import ProxyProcess
+from tests.upstream import RecordingUpstream
+
+N = 50
+CHARGE = {"amount": 1000, "currency": "eur"}
+HEADERS = {"Authorization": "Bearer t1", "X-Test-Delay": "0.5"}
+
+
+async def fire(urls: list[str], key: str, n: int = N, headers: dict[str, str] | None = None) -> list[tuple[int, dict[str, str], bytes]]:
+    """Send ``n`` identical requests at once, spread round-robin over ``urls``."""
+    send = {**HEADERS, **(headers or {}), "Idempotency-Key": key}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def one(i: int) -> tuple[int, dict[str, str], bytes]:
+            async with session.post(urls[i % len(urls)] + "/v1/charges", json=CHARGE, headers=send) as resp:
+                return resp.status, dict(resp.headers), await resp.read()
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def assert_one_execution_and_409s(results: list[tuple[int, dict[str, str], bytes]], upstream: RecordingUpstream,
+                                  key: str) -> None:
+    statuses = Counter(status for status, _, _ in results)
+    assert upstream.count(key=key) == 1
+    assert statuses == {201: 1, 409: N - 1}, statuses
+    for status, headers, body in results:
+        if status == 409:
+            assert int(headers["Retry-After"]) >= 1
+            assert json.loads(body)["code"] == "in_flight"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_50_concurrent_duplicates_execute_once(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    proxy = await make_proxy(backend)
+    results = await fire([proxy.url], "c-50")
+    assert_one_execution_and_409s(results, upstream, "c-50")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_wait_mode_gives_all_50_the_same_answer(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    proxy = await make_proxy(backend, idempotency={"in_flight": "wait"})
+    results = await fire([proxy.url], "w-50")
+    assert upstream.count(key="w-50") == 1
+    assert {status for status, _, _ in results} == {201}
+    assert len({body for _, _, body in results}) == 1
+    assert Counter(h["Idempotent-Replayed"] for _, h, _ in results) == {"false": 1, "true": N - 1}
+
+
+async def test_wait_mode_runs_out_with_409(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy(idempotency={"in_flight": "wait", "wait_timeout": "200ms"})
+    results = await fire([proxy.url], "w-out", n=3, headers={"X-Test-Delay": "1.5"})
+    assert sorted(status for status, _, _ in results) == [201, 409, 409]
+    assert upstream.count(key="w-out") == 1
+
+
+def shared_config(upstream: RecordingUpstream, storage: StorageFactory, **idempotency: Any) -> dict[str, Any]:
+    return {
+        "upstream": {"url": upstream.url, "timeout": "1s"},
+        "idempotency": {"lease": "2s", **idempotency},
+        "storage": storage("redis"),
+        "log": {"access": "off"},
+    }
+
+
+@pytest.mark.parametrize("mode", ["reject", "wait"])
+async def test_50_duplicates_over_3_processes_execute_once(
+    upstream: RecordingUpstream, storage: StorageFactory, proxy_process: Callable[..., ProxyProcess], mode: str
+) -> None:
+    config = shared_config(upstream, storage, in_flight=mode)
+    procs = [proxy_process(config, name=f"p{i}") for i in range(3)]
+    await asyncio.gather(*(p.start() for p in procs))
+    results = await fire([p.url for p in procs], f"multi-{mode}")
+    if mode == "reject":
+        assert_one_execution_and_409s(results, upstream, f"multi-{mode}")
+    else:
+        assert upstream.count(key=f"multi-{mode}") == 1
+        assert {status for status, _, _ in results} == {201}
+        assert len({body for _, _, body in results}) == 1
+
+
+async def test_kill_9_then_exactly_one_retry_takes_over_after_the_lease(
+    upstream: RecordingUpstream, storage: StorageFactory, proxy_process: Callable[..., ProxyProcess]
+) -> None:
+    config = shared_config(upstream, storage)
+    victim = proxy_process(config, name="victim")
+    await victim.start()
+    async with aiohttp.ClientSession() as session:
+        doomed = asyncio.ensure_future(session.post(
+            victim.url + "/v1/charges", json=CHARGE,
+            headers={"Authorization": "Bearer t1", "Idempotency-Key": "crash", "X-Test-Hang": "1"},
+        ))
+        while upstream.count(key="crash") == 0:  # the upstream is working on it now
+            await asyncio.sleep(0.01)
+        claimed_at = time.time()
+        victim.kill()  # kill -9: no release, no completion
+        with pytest.raises(aiohttp.ClientError):
+            await doomed
+
+    survivor = proxy_process(config, name="survivor")
+    await survivor.start()
+    early = await fire([survivor.url], "crash", n=5, headers={"X-Test-Delay": "0"})
+    assert {status for status, _, _ in early} == {409}
+    assert upstream.count(key="crash") == 1
+
+    await asyncio.sleep(max(claimed_at + 2.0 - time.time(), 0) + 0.1)  # the 2 s lease runs out
+    late = await fire([survivor.url], "crash", n=10, headers={"X-Test-Delay": "0.3"})
+    assert Counter(status for status, _, _ in late) == {201: 1, 409: 9}
+    assert upstream.count(key="crash") == 2  # the lost original plus exactly one takeover
+    replay = await fire([survivor.url], "crash", n=1, headers={"X-Test-Delay": "0"})
+    assert replay[0][0] == 201 and replay[0][1]["Idempotent-Replayed"] == "true"
+    async with aiohttp.ClientSession() as session, session.get(survivor.admin_url + "/metrics") as resp:
+        assert "idemproxy_lease_takeovers_total 1.0" in await resp.text()
+
+
+async def test_embedded_store_survives_kill_9(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
+) -> None:
+    config = {"upstream": {"url": upstream.url}, "storage": {"embedded": {"path": str(tmp_path / "e.sqlite3")}}}
+    first = proxy_process(config, name="first")
+    await first.start()
+    original = await fire([first.url], "durable", n=1, headers={"X-Test-Delay": "0"})
+    first.kill()
+    second = proxy_process(config, name="second")
+    await second.start()
+    replay = await fire([second.url], "durable", n=1, headers={"X-Test-Delay": "0"})
+    assert replay[0][0] == 201 and replay[0][1]["Idempotent-Replayed"] == "true"
+    assert replay[0][2] == original[0][2]
+    assert upstream.count(key="durable") == 1
+
+
+async def test_second_process_on_one_embedded_file_is_refused(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
+) -> None:
+    config = {"upstream": {"url": upstream.url}, "storage": {"embedded": {"path": str(tmp_path / "one.sqlite3")}}}
+    await proxy_process(config, name="owner").start()
+    intruder = proxy_process(config, name="intruder")
+    with pytest.raises(RuntimeError, match="in use by another idemproxy process"):
+        await intruder.start()
+    assert intruder.proc is not None and intruder.proc.returncode == 1

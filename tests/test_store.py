@@ -1,0 +1,149 @@
+"""One store suite, run on every backend: the claim state machine, fencing, expiry, sweeping, notifications."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from idemproxy.config import load_config
+from idemproxy.store import State, Store, StoredResponse, build_store
+from tests.conftest import BACKENDS, StorageFactory
+
+FP, OTHER_FP = "f" * 64, "0" * 64
+OK = StoredResponse(status=201, headers=(("Content-Type", "application/json"), ("X-A", "1")), body=b'{"id": 1}')
+
+
+@pytest.fixture(params=BACKENDS)
+async def store(request: pytest.FixtureRequest, storage: StorageFactory) -> AsyncIterator[Store]:
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": storage(request.param)})
+    backend = build_store(config.storage)
+    await backend.open()
+    yield backend
+    await backend.close()
+
+
+async def until(deadline: float) -> None:
+    await asyncio.sleep(max(deadline - time.time(), 0) + 0.02)
+
+
+async def test_first_claim_owns_and_a_second_sees_it_in_flight(store: Store) -> None:
+    first = await store.claim("t", "k", FP, lease=30, ttl=60)
+    assert first.owned and first.record.state is State.IN_FLIGHT and first.token
+    second = await store.claim("t", "k", FP, lease=30, ttl=60)
+    assert not second.owned and second.record.state is State.IN_FLIGHT
+    assert second.record.lease_alive(second.now)
+    assert second.record.lease_expires_at is not None
+    assert 25 < second.record.lease_expires_at - second.now <= 30
+    other = await store.claim("t", "k", OTHER_FP, lease=30, ttl=60)
+    assert not other.owned and other.record.fingerprint == FP
+
+
+async def test_complete_then_claim_returns_the_stored_response(store: Store) -> None:
+    claim = await store.claim("t", "k", FP, lease=30, ttl=60)
+    assert await store.complete(claim, OK, ttl=60)
+    again = await store.claim("t", "k", FP, lease=30, ttl=60)
+    assert not again.owned and again.record.state is State.COMPLETED
+    assert again.record.response == OK
+    record = await store.get("t", "k")
+    assert record is not None and record.response == OK and record.lease_token is None
+
+
+async def test_body_too_large_is_stored_without_body(store: Store) -> None:
+    claim = await store.claim("t", "big", FP, lease=30, ttl=60)
+    assert await store.complete(claim, StoredResponse(status=200, headers=(), body=None), ttl=60)
+    again = await store.claim("t", "big", FP, lease=30, ttl=60)
+    assert again.record.response is not None and again.record.response.body is None
+    assert again.record.response.status == 200
+
+
+async def test_tenants_do_not_share_records(store: Store) -> None:
+    claim = await store.claim("alice", "k", FP, lease=30, ttl=60)
+    await store.complete(claim, OK, ttl=60)
+    bob = await store.claim("bob", "k", OTHER_FP, lease=30, ttl=60)
+    assert bob.owned
+    assert await store.get("carol", "k") is None
+
+
+async def test_release_frees_the_key(store: Store) -> None:
+    claim = await store.claim("t", "k", FP, lease=30, ttl=60)
+    assert await store.release(claim)
+    assert await store.get("t", "k") is None
+    assert (await store.claim("t", "k", OTHER_FP, lease=30, ttl=60)).owned
+
+
+async def test_fenced_zombie_cannot_overwrite_the_new_owner(store: Store) -> None:
+    zombie = await store.claim("t", "z", FP, lease=0.2, ttl=60)
+    await until(zombie.record.lease_expires_at or 0)
+    heir = await store.claim("t", "z", FP, lease=30, ttl=60)
+    assert heir.owned and heir.took_over and heir.token != zombie.token
+    stale = StoredResponse(status=500, headers=(), body=b"zombie")
+    assert not await store.complete(zombie, stale, ttl=60)
+    assert not await store.release(zombie)
+    assert await store.complete(heir, OK, ttl=60)
+    record = await store.get("t", "z")
+    assert record is not None and record.response == OK
+
+
+async def test_takeover_needs_the_same_fingerprint(store: Store) -> None:
+    owner = await store.claim("t", "k", FP, lease=0.2, ttl=60)
+    await until(owner.record.lease_expires_at or 0)
+    other = await store.claim("t", "k", OTHER_FP, lease=30, ttl=60)
+    assert not other.owned and other.record.fingerprint == FP
+
+
+async def test_expired_record_is_claimable_again(store: Store) -> None:
+    claim = await store.claim("t", "k", FP, lease=0.1, ttl=0.3)
+    await store.complete(claim, OK, ttl=0.3)
+    record = await store.get("t", "k")
+    assert record is not None
+    await until(record.expires_at)
+    fresh = await store.claim("t", "k", OTHER_FP, lease=30, ttl=60)
+    assert fresh.owned and fresh.replaced_expired and not fresh.took_over
+
+
+async def test_sweep_removes_expired_records_and_keeps_live_leases(store: Store) -> None:
+    done = await store.claim("t", "expired", FP, lease=0.1, ttl=0.2)
+    await store.complete(done, OK, ttl=0.2)
+    await store.claim("t", "leased", FP, lease=30, ttl=0.2)  # TTL over, lease alive: never swept
+    await store.complete(await store.claim("t", "live", FP, lease=30, ttl=60), OK, ttl=60)
+    await until(time.time() + 0.25)
+    assert await store.sweep(100) == 1
+    assert await store.get("t", "expired") is None
+    assert await store.get("t", "leased") is not None
+    assert await store.get("t", "live") is not None
+
+
+async def test_sweep_works_in_bounded_batches(store: Store) -> None:
+    for i in range(5):
+        claim = await store.claim("t", f"b{i}", FP, lease=0.05, ttl=0.1)
+        await store.complete(claim, OK, ttl=0.1)
+    await until(time.time() + 0.15)
+    assert await store.sweep(2) == 2
+    assert await store.sweep(10) == 3
+
+
+async def test_forget_deletes_any_state(store: Store) -> None:
+    await store.claim("t", "k", FP, lease=30, ttl=60)
+    assert await store.forget("t", "k")
+    assert not await store.forget("t", "k")
+    assert (await store.claim("t", "k", FP, lease=30, ttl=60)).owned
+
+
+async def test_watchers_are_woken_by_completion(store: Store) -> None:
+    claim = await store.claim("t", "w", FP, lease=30, ttl=60)
+    with store.watch("t", "w") as changed:
+        await store.complete(claim, OK, ttl=60)
+        await asyncio.wait_for(changed, 5)
+
+
+async def test_concurrent_claims_have_exactly_one_owner(store: Store) -> None:
+    claims = await asyncio.gather(*(store.claim("t", "race", FP, lease=30, ttl=60) for _ in range(30)))
+    assert sum(c.owned for c in claims) == 1
+
+
+async def test_health_reports_ready(store: Store) -> None:
+    health = await store.health()
+    assert health.ready
