@@ -174,8 +174,10 @@ async def make_proxy(
 ) -> AsyncIterator[ProxyFactory]:
     running: list[RunningProxy] = []
 
-    async def make(backend: str = "redis", **sections: Any) -> RunningProxy:
-        config = build_config(sections.pop("upstream_url", upstream.url), storage(backend), **sections)
+    async def make(backend: str = "redis", *, storage_section: dict[str, Any] | None = None,
+                   **sections: Any) -> RunningProxy:
+        section = storage_section if storage_section is not None else storage(backend)
+        config = build_config(sections.pop("upstream_url", upstream.url), section, **sections)
         proxy = Proxy(config)
         server = TestServer(proxy.proxy_app(), host="127.0.0.1")
         await server.start_server()
@@ -221,3 +223,33 @@ def own_pg() -> Iterator[PostgresServer]:
     server.start()
     yield server
     server.destroy()
+
+
+@pytest.fixture
+def own_pg_dsn(own_pg: PostgresServer) -> Iterator[str]:
+    """A fresh database on the stoppable PostgreSQL; the server is running again when the test ends."""
+    name = f"idemproxy_fault_{uuid.uuid4().hex[:12]}"
+
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(own_pg.admin_dsn)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(admin(f"CREATE DATABASE {name}"))
+    yield _with_database(own_pg.admin_dsn, name)
+    if not own_pg.running():
+        own_pg.start()
+    asyncio.run(admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+
+
+@pytest.fixture
+def running_redis(own_redis: RedisServer) -> Iterator[RedisServer]:
+    """The stoppable Redis, emptied, and running again when the test ends."""
+    if own_redis.proc is None:
+        own_redis.start()
+    sync_redis.Redis.from_url(own_redis.url).flushall()
+    yield own_redis
+    if own_redis.proc is None:
+        own_redis.start()

@@ -94,7 +94,11 @@ class RedisServer:
 
 
 class PostgresServer:
-    """A PostgreSQL cluster in a temporary directory on a free loopback port (fsync off: throwaway)."""
+    """A PostgreSQL cluster in a temporary directory on a free loopback port.
+
+    fsync is off (throwaway), but commits stay synchronous: a server killed by a fault test keeps its
+    commits in the OS cache, as a crashed production server keeps them on disk.
+    """
 
     def __init__(self) -> None:
         self.user = RUN_AS if os.geteuid() == 0 else None
@@ -139,7 +143,7 @@ class PostgresServer:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
     def start(self) -> None:
-        options = f"-p {self.port} -h 127.0.0.1 -k '' -c fsync=off -c synchronous_commit=off"
+        options = f"-p {self.port} -h 127.0.0.1 -k '' -c fsync=off"
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "-t", "60",
                   "start")
 

@@ -22,7 +22,10 @@ CHARGE = {"amount": 1000, "currency": "eur"}
 HEADERS = {"Authorization": "Bearer t1", "X-Test-Delay": "0.5"}
 
 
-async def fire(urls: list[str], key: str, n: int = N, headers: dict[str, str] | None = None) -> list[tuple[int, dict[str, str], bytes]]:
+Result = tuple[int, dict[str, str], bytes]
+
+
+async def fire(urls: list[str], key: str, n: int = N, headers: dict[str, str] | None = None) -> list[Result]:
     """Send ``n`` identical requests at once, spread round-robin over ``urls``."""
     send = {**HEADERS, **(headers or {}), "Idempotency-Key": key}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),

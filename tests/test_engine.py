@@ -409,3 +409,16 @@ async def test_metrics_label_routes_and_outcomes(make_proxy: ProxyFactory, upstr
     assert 'idemproxy_store_duration_seconds_count{backend="redis",operation="claim"}' in text
     assert 'idemproxy_store_duration_seconds_count{backend="postgres",operation="complete"}' in text
     assert "idemproxy_in_flight_requests 0.0" in text
+
+
+async def test_sweeper_counts_removed_records(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy(upstream={"timeout": "100ms"}, idempotency={"lease": "200ms", "ttl": "300ms"})
+    for key in ("sw1", "sw2"):
+        await proxy.post("/v1/charges", key=key, body=CHARGE)
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    record = await proxy.proxy.store.get(tenant, "sw2")
+    assert record is not None
+    await asyncio.sleep(max(record.expires_at - time.time(), 0) + 0.05)
+    assert await proxy.proxy.sweep_once() == 2
+    assert await proxy.proxy.store.get(tenant, "sw1") is None
+    assert "idemproxy_records_expired_total 2.0" in proxy.proxy.metrics.render().decode()

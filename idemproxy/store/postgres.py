@@ -239,6 +239,7 @@ class PostgresStore(Store):
                 async with self._pool.acquire(timeout=OPERATION_TIMEOUT) as conn:
                     yield conn
             except _DB_ERRORS as exc:
+                log.warning("postgres %s failed: %s: %s", operation, type(exc).__name__, exc)
                 raise StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.") from exc
 
     async def _notify(self, conn: Any, tenant: str, key: str) -> None:

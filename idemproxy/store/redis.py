@@ -127,6 +127,7 @@ class RedisFrontedStore(Store):
         self._settle_script = self.redis.register_script(_SETTLE)
         self._forget_script = self.redis.register_script(_FORGET)
         self._down_until = 0.0
+        self._degraded = False
         self._subscriber: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -183,11 +184,17 @@ class RedisFrontedStore(Store):
             yield usable
         except _ERRORS as exc:
             usable[0] = False
-            self._down_until = time.monotonic() + BREAKER_COOLDOWN
             if self.metrics is not None:
                 self.metrics.store_errors.labels("redis", operation).inc()
-            log.warning("redis %s failed (%s); serving from %s alone", operation,
-                        type(exc).__name__, self.durable.backend)
+            if not self._degraded:  # one line per outage, not one per request
+                log.warning("redis %s failed (%s); serving from %s alone until it answers again",
+                            operation, type(exc).__name__, self.durable.backend)
+            self._degraded = True
+            self._down_until = time.monotonic() + BREAKER_COOLDOWN
+        else:
+            if self._degraded:
+                log.warning("redis answers again; fast path restored")
+                self._degraded = False
         finally:
             if self.metrics is not None and usable[0]:
                 self.metrics.store_duration.labels("redis", operation).observe(
