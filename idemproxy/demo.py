@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import signal
 import textwrap
 
@@ -16,7 +15,6 @@ from idemproxy.config import load_config
 CHARGE_DELAY = 0.2  # seconds: slow enough that a double-submit visibly overlaps the first request
 
 CHARGES = web.AppKey("charges", dict)
-EXECUTED = web.AppKey("executed", list)
 
 
 def payments_app() -> web.Application:
@@ -103,7 +101,3 @@ async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: s
         for runner in runners:
             await runner.cleanup()
         await upstream_runner.cleanup()
-
-
-def pretty(data: bytes) -> str:
-    return json.dumps(json.loads(data), indent=2)

@@ -1,0 +1,126 @@
+"""The command line: migrate (idempotent, safe in parallel) and several workers behind one port."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+import pytest
+import yaml
+
+from idemproxy.store.postgres import MIGRATIONS, migrate
+from tests.servers import free_port
+from tests.upstream import RecordingUpstream
+
+
+@pytest.fixture
+async def empty_db(pg_dsn: str) -> AsyncIterator[str]:
+    name = f"idemproxy_cli_{uuid.uuid4().hex[:10]}"
+    admin_dsn = pg_dsn.rsplit("/", 1)[0] + "/postgres"
+    conn = await asyncpg.connect(admin_dsn)
+    await conn.execute(f"CREATE DATABASE {name}")
+    yield pg_dsn.rsplit("/", 1)[0] + f"/{name}"
+    await conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    await conn.close()
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "idemproxy", *args], capture_output=True, text=True,
+                          timeout=60, cwd=cwd)
+
+
+async def test_migrate_creates_the_schema_and_is_safe_to_run_twice(empty_db: str, tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
+                                      "storage": {"postgres": {"dsn": empty_db, "migrate": "off"}}}))
+    first = await asyncio.to_thread(run_cli, "migrate", "--config", str(config))
+    second = await asyncio.to_thread(run_cli, "migrate", "--config", str(config))
+    assert first.returncode == 0 and "applied: [1]" in first.stdout, first.stderr
+    assert second.returncode == 0 and "applied: none" in second.stdout
+    conn = await asyncpg.connect(empty_db)
+    try:
+        assert await conn.fetchval("SELECT max(version) FROM idemproxy_schema") == len(MIGRATIONS)
+        assert await conn.fetchval("SELECT to_regclass('idemproxy_records') IS NOT NULL")
+    finally:
+        await conn.close()
+
+
+async def test_replicas_migrating_at_once_apply_each_migration_once(empty_db: str) -> None:
+    conns = [await asyncpg.connect(empty_db) for _ in range(5)]
+    try:
+        results = await asyncio.gather(*(migrate(c) for c in conns))
+        assert sorted(len(r) for r in results) == [0, 0, 0, 0, 1]
+        assert await conns[0].fetchval("SELECT count(*) FROM idemproxy_schema") == len(MIGRATIONS)
+    finally:
+        for conn in conns:
+            await conn.close()
+
+
+def test_migrate_without_postgres_says_so(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("upstream: {url: 'http://127.0.0.1:1'}\n")
+    result = run_cli("migrate", "--config", str(config))
+    assert result.returncode == 1 and "storage.postgres is not configured" in result.stderr
+
+
+def test_serve_refuses_a_bad_config_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("upstream: {url: 'http://127.0.0.1:1', timeout: soon}\n")
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 1 and "upstream.timeout: 'soon' is not a duration" in result.stderr
+
+
+def test_postgres_unreachable_at_start_is_a_clear_error(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    dsn = f"postgresql://idem:hunter2@127.0.0.1:{free_port()}/idem"
+    config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
+                                      "storage": {"postgres": {"dsn": dsn}}}))
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 1
+    assert "PostgreSQL is not reachable" in result.stderr and "hunter2" not in result.stderr
+
+
+async def test_workers_share_the_port_and_metrics_add_up(
+    upstream: RecordingUpstream, clean_pg: str, tmp_path: Path
+) -> None:
+    port, admin = free_port(), free_port()
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port}, "admin": {"host": "127.0.0.1", "port": admin},
+        "upstream": {"url": upstream.url}, "storage": {"postgres": {"dsn": clean_pg, "pool_min": 1}},
+        "workers": 2, "log": {"access": "off"},
+    }))
+    proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            for _ in range(300):
+                try:
+                    async with session.get(f"http://127.0.0.1:{admin}/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            headers = {"Authorization": "t"}
+            for i in range(20):  # new connections each time, spread by the kernel over the workers
+                async with session.post(f"http://127.0.0.1:{port}/v1/c", json={"i": i},
+                                        headers={**headers, "Idempotency-Key": f"w{i}"}) as resp:
+                    assert resp.status == 201
+            async with session.get(f"http://127.0.0.1:{admin}/metrics") as resp:
+                text = await resp.text()
+        match = re.search(r'idemproxy_requests_total\{method="POST",outcome="forwarded",route="other"\} (\S+)', text)
+        assert match and float(match.group(1)) == 20.0, text[:2000]
+        assert upstream.count() == 20
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode == 0, output
+    assert len(set(re.findall(r"started 2 workers: \[(\d+), (\d+)\]", output)[0])) == 2

@@ -1,0 +1,92 @@
+"""`idemproxy demo` as a user meets it: start it, read the curl lines it prints, run them, check the answers."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.servers import free_port
+
+
+def parse_curl(line: str) -> dict[str, Any]:
+    """The URL, headers and body of a printed `curl -si URL -H ... -d ...` command."""
+    words = shlex.split(line)
+    assert words[0] == "curl"
+    request: dict[str, Any] = {"headers": {}, "data": None}
+    it = iter(words[1:])
+    for word in it:
+        if word == "-H":
+            name, _, value = next(it).partition(":")
+            request["headers"][name.strip()] = value.strip()
+        elif word == "-d":
+            request["data"] = next(it)
+        elif word.startswith("http"):
+            request["url"] = word
+    return request
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    ports = [str(free_port()) for _ in range(3)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "idemproxy", "demo", "--port", ports[0], "--upstream-port", ports[1],
+         "--admin-port", ports[2], "--store", str(tmp_path / "demo.sqlite3")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if "Stop with Ctrl-C" in line:
+            break
+    else:
+        raise AssertionError("demo exited:\n" + "".join(lines))
+    yield proc, lines
+    proc.terminate()
+    proc.communicate(timeout=20)  # drains and closes the pipe
+
+
+async def send(session: aiohttp.ClientSession, request: dict[str, Any]) -> tuple[int, dict[str, str], Any]:
+    async with session.post(request["url"], data=request["data"], headers=request["headers"]) as resp:
+        return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+async def test_the_printed_scenarios_behave_as_described(demo: tuple[subprocess.Popen[str], list[str]]) -> None:
+    _, lines = demo
+    text = "".join(lines)
+    curls = [parse_curl(m) for m in re.findall(r"curl -si [^;&\n)]+", text)]
+    assert len(curls) == 5, text
+    first, replay, mismatch, busy_a, busy_b = curls
+    async with aiohttp.ClientSession() as session:
+        status, headers, charge = await send(session, first)
+        assert status == 201 and headers["Idempotent-Replayed"] == "false"
+        assert charge["id"].startswith("ch_") and charge["amount"] == 1000
+
+        status, headers, again = await send(session, replay)
+        assert status == 201 and headers["Idempotent-Replayed"] == "true" and again == charge
+
+        status, _, problem = await send(session, mismatch)
+        assert status == 422 and problem["code"] == "payload_mismatch"
+
+        # scenario 4: the second request starts while the first (200 ms) is still running
+        one = asyncio.ensure_future(send(session, busy_a))
+        await asyncio.sleep(0.05)
+        status, headers, problem = await send(session, busy_b)
+        assert status == 409 and problem["code"] == "in_flight" and "Retry-After" in headers
+        status, _, created = await one
+        assert status == 201 and created["id"] != charge["id"]
+
+        # the sample API executed exactly two charges
+        base = first["url"].rsplit("/v1/", 1)[0]
+        for n, expected in ((1, 200), (2, 200), (3, 404)):
+            async with session.get(f"{base}/v1/charges/ch_{n:06d}") as resp:
+                assert resp.status == expected
