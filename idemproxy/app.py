@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from idemproxy.config import Config, dump_yaml
+from idemproxy.admin import AdminAPI
+from idemproxy.config import Config, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreUnavailable, problem_middleware
@@ -94,6 +96,8 @@ class Proxy:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
+        if self.config.admin.token:  # no token configured: the admin API does not exist
+            AdminAPI(self.store, self.config.admin.token).add_routes(app)
         return app
 
     async def _healthz(self, _request: web.Request) -> web.Response:
@@ -129,9 +133,9 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
         await web.TCPSite(proxy_runner, config.listen.host, config.listen.port,
                           reuse_port=reuse_port or None).start()
         log.info(
-            "idemproxy serving on %s:%d → %s (store: %s); admin on %s:%d",
+            "idemproxy serving on %s:%d -> %s (store: %s); admin on %s:%d; effective config: %s",
             config.listen.host, config.listen.port, config.upstream.url, proxy.store.backend,
-            config.admin.host, config.admin.port, extra={"effective_config": dump_yaml(config)},
+            config.admin.host, config.admin.port, json.dumps(to_plain(config), separators=(",", ":")),
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -36,6 +36,16 @@ def _parser() -> argparse.ArgumentParser:
     migrate = sub.add_parser("migrate", help="create or upgrade the PostgreSQL schema")
     migrate.add_argument("--config", required=True)
 
+    keys = sub.add_parser("keys", help="show or release one idempotency record via the admin API")
+    keys.add_argument("action", choices=("show", "release"))
+    keys.add_argument("tenant", help="tenant id as the access log shows it (or the credential, with --credential)")
+    keys.add_argument("key", help="the Idempotency-Key")
+    keys.add_argument("--config", help="read the admin address and token from this file")
+    keys.add_argument("--admin-url", help="e.g. http://127.0.0.1:9090 (default: from the config)")
+    keys.add_argument("--token", help="admin token (default: admin.token, or $IDEMPROXY_ADMIN_TOKEN)")
+    keys.add_argument("--credential", action="store_true",
+                      help="TENANT is the raw tenant header value; hash it as the proxy does")
+
     demo = sub.add_parser("demo", help="a sample payments API behind idemproxy, on the embedded store")
     demo.add_argument("--port", type=int, default=8080, help="proxy port (default 8080)")
     demo.add_argument("--upstream-port", type=int, default=9000, help="sample API port (default 9000)")
@@ -115,7 +125,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    import hashlib
+    import json
+    import os
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    config = _load(args.config) if args.config else None
+    admin_url = args.admin_url or (
+        f"http://{config.admin.host}:{config.admin.port}" if config else "http://127.0.0.1:9090"
+    )
+    token = args.token or (config.admin.token.reveal() if config else "") or os.environ.get(
+        "IDEMPROXY_ADMIN_TOKEN", ""
+    )
+    tenant = hashlib.sha256(args.tenant.encode()).hexdigest() if args.credential else args.tenant
+    path = "/admin/keys/" + "/".join(urllib.parse.quote(part, safe="") for part in (tenant, args.key))
+    request = urllib.request.Request(
+        admin_url.rstrip("/") + path, method="GET" if args.action == "show" else "DELETE",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            print(json.dumps(json.loads(response.read()), indent=2))
+            return 0
+    except urllib.error.HTTPError as exc:
+        detail = json.loads(exc.read() or b"{}").get("detail", exc.reason)
+        print(f"idemproxy: {exc.code}: {detail}", file=sys.stderr)
+    except urllib.error.URLError as exc:
+        print(f"idemproxy: admin API at {admin_url} not reachable ({exc.reason})", file=sys.stderr)
+    return 1
+
+
 COMMANDS = {
+    "keys": cmd_keys,
     "serve": cmd_serve,
     "check-config": cmd_check_config,
     "migrate": cmd_migrate,

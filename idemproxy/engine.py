@@ -177,14 +177,21 @@ class Engine:
         if self._access_level is None or not access_log.isEnabledFor(self._access_level):
             return
         access_log.log(
-            self._access_level, "%s %s %s %s", request.method, request.path, ex.status, ex.outcome,
+            self._access_level, "%s %s %s %s %.1fms", request.method, request.path, ex.status, ex.outcome,
+            total * 1000,
             extra={
+                "method": request.method, "path": request.path,
                 "outcome": ex.outcome, "status": ex.status, "route": route,
-                "tenant_hash": short_hash(ex.tenant), "key_hash": short_hash(ex.key),
+                "tenant": self._loggable_tenant(ex.tenant), "key_hash": short_hash(ex.key),
                 "duration_ms": round(total * 1000, 3),
                 "upstream_ms": round(ex.upstream_seconds * 1000, 3),
             },
         )
+
+    def _loggable_tenant(self, tenant: str) -> str:
+        """The tenant id (what the admin API takes) when it is a hash or a static name; else its hash."""
+        tenant_config = self.config.tenant
+        return tenant if tenant_config.hash or tenant_config.from_ == "static" else short_hash(tenant)
 
     async def _timed_upstream(self, ex: _Exchange, call: Callable[[], Awaitable[_T]]) -> _T:
         started = time.perf_counter()

@@ -4,6 +4,8 @@
     ├── MissingKey                 400 missing_key
     ├── InvalidKey                 400 invalid_key
     ├── MissingTenant              401 missing_tenant
+    ├── Unauthorized               401 unauthorized       (admin API: wrong or missing bearer token)
+    ├── RecordNotFound             404 not_found          (admin API)
     ├── InFlight                   409 in_flight          + Retry-After
     ├── BodyTooLarge               413 body_too_large
     ├── PayloadMismatch            422 payload_mismatch
@@ -76,6 +78,18 @@ class InvalidKey(Problem):
 
 class MissingTenant(Problem):
     status, code, title, outcome = 401, "missing_tenant", "Tenant required", "missing_tenant"
+
+
+class Unauthorized(Problem):
+    status, code, title, outcome = 401, "unauthorized", "Admin token required", "unauthorized"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.headers["WWW-Authenticate"] = 'Bearer realm="idemproxy-admin"'
+
+
+class RecordNotFound(Problem):
+    status, code, title, outcome = 404, "not_found", "No such idempotency record", "not_found"
 
 
 class InFlight(Problem):

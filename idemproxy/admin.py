@@ -1,0 +1,87 @@
+"""The admin API on the admin port: look at one record, or release / forget it (bearer token required).
+
+Records are addressed by tenant id (as the access log shows it: the SHA-256 of the tenant credential, or the
+static tenant) and key, so one tenant's path can only ever name that tenant's record. Every action is logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from idemproxy.config import Secret
+from idemproxy.engine import short_hash
+from idemproxy.problems import RecordNotFound, Unauthorized
+from idemproxy.store.base import Record, Store
+
+log = logging.getLogger("idemproxy.admin")
+
+
+def _iso(epoch: float | None) -> str | None:
+    return datetime.fromtimestamp(epoch, UTC).isoformat() if epoch is not None else None
+
+
+def describe(record: Record, now: float) -> dict[str, Any]:
+    """What an operator may see of a record (never the lease token, never the stored body)."""
+    response = record.response
+    return {
+        "tenant": record.tenant,
+        "key": record.key,
+        "state": record.state.value,
+        "fingerprint": record.fingerprint,
+        "lease_alive": record.lease_alive(now),
+        "lease_expires_at": _iso(record.lease_expires_at),
+        "created_at": _iso(record.created_at),
+        "completed_at": _iso(record.completed_at),
+        "expires_at": _iso(record.expires_at),
+        "expired": record.expired(now),
+        "stored_status": response.status if response else None,
+        "stored_body_bytes": len(response.body) if response and response.body is not None else None,
+        "replayable": bool(response and response.body is not None),
+    }
+
+
+class AdminAPI:
+    def __init__(self, store: Store, token: Secret) -> None:
+        self.store = store
+        self.token = token
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/admin/keys/{tenant}/{key:.+}", self.show)
+        app.router.add_delete("/admin/keys/{tenant}/{key:.+}", self.delete)
+
+    def _authorize(self, request: web.Request) -> None:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.reveal().encode()):
+            log.warning("admin %s %s refused: bad or missing token", request.method, request.path,
+                        extra={"admin_action": "refused", "remote": request.remote})
+            raise Unauthorized("A valid admin bearer token is required.")
+
+    async def show(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        tenant, key = request.match_info["tenant"], request.match_info["key"]
+        record = await self.store.get(tenant, key)
+        self._log("show", tenant, key, found=record is not None)
+        if record is None:
+            raise RecordNotFound("No record for this tenant and key.")
+        return web.json_response(describe(record, time.time()))
+
+    async def delete(self, request: web.Request) -> web.Response:
+        """Release a stuck in-flight record or forget a completed one: the next request executes anew."""
+        self._authorize(request)
+        tenant, key = request.match_info["tenant"], request.match_info["key"]
+        record = await self.store.get(tenant, key)
+        if record is None or not await self.store.forget(tenant, key):
+            self._log("delete", tenant, key, found=False)
+            raise RecordNotFound("No record for this tenant and key.")
+        self._log("delete", tenant, key, found=True, state=record.state.value)
+        return web.json_response({"deleted": True, "state": record.state.value})
+
+    def _log(self, action: str, tenant: str, key: str, **fields: Any) -> None:
+        log.warning("admin %s tenant=%s key_hash=%s %s", action, tenant, short_hash(key), fields,
+                    extra={"admin_action": action, "tenant": tenant, "key_hash": short_hash(key), **fields})

@@ -1,0 +1,143 @@
+"""The admin API and `idemproxy keys`, against real stores; and what the logs say (and never say)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from tests.conftest import ProxyFactory, RunningProxy, StorageFactory
+from tests.proxyproc import ProxyProcess
+from tests.upstream import RecordingUpstream
+
+TOKEN = "admin-token-123"
+CHARGE = {"amount": 1000}
+ALICE = hashlib.sha256(b"Bearer alice").hexdigest()
+
+
+class Admin:
+    def __init__(self, server: TestServer, session: aiohttp.ClientSession) -> None:
+        self.server, self.session = server, session
+
+    async def call(self, method: str, tenant: str, key: str, token: str | None = TOKEN) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        url = self.server.make_url(f"/admin/keys/{tenant}/{key}")
+        async with self.session.request(method, url, headers=headers) as resp:
+            if resp.content_type not in ("application/json", "application/problem+json"):
+                return resp.status, None
+            return resp.status, await resp.json(content_type=None)
+
+
+@pytest.fixture
+async def admin_for() -> AsyncIterator[Callable[[RunningProxy], Any]]:
+    servers: list[TestServer] = []
+    session = aiohttp.ClientSession()
+
+    async def make(proxy: RunningProxy) -> Admin:
+        server = TestServer(proxy.proxy.admin_app(), host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+        return Admin(server, session)
+
+    yield make
+    await session.close()
+    for server in servers:
+        await server.close()
+
+
+@pytest.mark.parametrize("backend", ["redis", "embedded"])
+async def test_show_a_record_only_to_its_own_tenant(
+    make_proxy: ProxyFactory, admin_for: Any, backend: str
+) -> None:
+    proxy = await make_proxy(backend, admin={"token": TOKEN})
+    await proxy.post("/v1/charges", key="ord/1", body=CHARGE, tenant="Bearer alice")
+    admin = await admin_for(proxy)
+    status, body = await admin.call("GET", ALICE, "ord%2F1")
+    assert status == 200
+    assert body["state"] == "completed" and body["stored_status"] == 201 and body["replayable"]
+    assert body["tenant"] == ALICE and body["key"] == "ord/1" and len(body["fingerprint"]) == 64
+    assert "lease_token" not in body and "Bearer alice" not in json.dumps(body)
+    bob = hashlib.sha256(b"Bearer bob").hexdigest()
+    status, body = await admin.call("GET", bob, "ord%2F1")
+    assert status == 404 and body["code"] == "not_found" and "fingerprint" not in body
+
+
+@pytest.mark.parametrize("token", [None, "wrong", ""])
+async def test_wrong_or_missing_token_is_401(make_proxy: ProxyFactory, admin_for: Any, token: str | None) -> None:
+    proxy = await make_proxy(admin={"token": TOKEN})
+    await proxy.post("/v1/charges", key="k", body=CHARGE, tenant="Bearer alice")
+    admin = await admin_for(proxy)
+    for method in ("GET", "DELETE"):
+        status, body = await admin.call(method, ALICE, "k", token=token)
+        assert status == 401 and body["code"] == "unauthorized"
+    assert (await admin.call("GET", ALICE, "k"))[0] == 200  # nothing was deleted
+
+
+async def test_no_token_configured_means_no_admin_api(make_proxy: ProxyFactory, admin_for: Any) -> None:
+    proxy = await make_proxy()
+    admin = await admin_for(proxy)
+    assert (await admin.call("GET", ALICE, "k", token=""))[0] == 404
+
+
+async def test_delete_releases_a_stuck_in_flight_record(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, admin_for: Any
+) -> None:
+    proxy = await make_proxy(admin={"token": TOKEN}, upstream={"timeout": "200ms"})
+    resp, _ = await proxy.post("/v1/charges", key="stuck", body=CHARGE, tenant="Bearer alice",
+                               headers={"X-Test-Delay": "1"})
+    assert resp.status == 504  # outcome unknown: the key keeps its 60 s lease
+    assert (await proxy.post("/v1/charges", key="stuck", body=CHARGE, tenant="Bearer alice"))[0].status == 409
+    admin = await admin_for(proxy)
+    status, body = await admin.call("GET", ALICE, "stuck")
+    assert status == 200 and body["state"] == "in_flight" and body["lease_alive"]
+    status, body = await admin.call("DELETE", ALICE, "stuck")
+    assert status == 200 and body == {"deleted": True, "state": "in_flight"}
+    resp, _ = await proxy.post("/v1/charges", key="stuck", body=CHARGE, tenant="Bearer alice")
+    assert resp.status == 201 and upstream.count(key="stuck") == 2
+    assert (await admin.call("DELETE", ALICE, "nope"))[0] == 404
+
+
+async def test_cli_mirrors_the_admin_api_and_logs_are_json_without_secrets(
+    upstream: RecordingUpstream, storage: StorageFactory, proxy_process: Callable[..., ProxyProcess]
+) -> None:
+    config = {"upstream": {"url": upstream.url}, "admin": {"token": TOKEN}, "storage": storage("redis"),
+              "log": {"format": "json", "access": "info"}}
+    proc = proxy_process(config)
+    await proc.start()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proc.url + "/v1/charges", json=CHARGE,
+                                headers={"Authorization": "Bearer alice", "Idempotency-Key": "cli-key-7"}) as resp:
+            assert resp.status == 201
+
+    def keys(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "idemproxy", "keys", *args, "--config", str(proc.config_path)],
+                              capture_output=True, text=True, timeout=30)
+
+    shown = await asyncio.to_thread(keys, "show", "Bearer alice", "cli-key-7", "--credential")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["state"] == "completed"
+    released = await asyncio.to_thread(keys, "release", ALICE, "cli-key-7")
+    assert released.returncode == 0 and json.loads(released.stdout)["deleted"] is True
+    gone = await asyncio.to_thread(keys, "show", ALICE, "cli-key-7")
+    assert gone.returncode == 1 and "404" in gone.stderr
+
+    proc.stop()
+    lines = [json.loads(line) for line in proc.log_path.read_text().splitlines() if line.startswith("{")]
+    text = proc.log_path.read_text()
+    assert "cli-key-7" not in text and "Bearer alice" not in text and TOKEN not in text
+    start = next(line for line in lines if "effective config" in line["msg"])
+    assert '"token":"***"' in start["msg"]
+    access = next(line for line in lines if line["logger"] == "idemproxy.access")
+    assert access["outcome"] == "forwarded" and access["status"] == 201 and access["tenant"] == ALICE
+    assert access["key_hash"] == hashlib.sha256(b"cli-key-7").hexdigest()[:12]
+    assert {"duration_ms", "upstream_ms", "route"} <= access.keys()
+    actions = [line["admin_action"] for line in lines if "admin_action" in line]
+    assert actions == ["show", "delete", "show"]
