@@ -147,3 +147,26 @@ async def test_concurrent_claims_have_exactly_one_owner(store: Store) -> None:
 async def test_health_reports_ready(store: Store) -> None:
     health = await store.health()
     assert health.ready
+
+
+@pytest.mark.parametrize("settle", [0, 1, 20])
+async def test_redis_subscriber_stops_by_itself_on_close(storage: StorageFactory, redis_url: str, settle: int) -> None:
+    """redis-py's pub/sub read can swallow a cancellation; a subscriber that outlived close() hung the process exit."""
+    import redis.asyncio as aioredis
+
+    from idemproxy.store.redis import RedisFrontedStore
+
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": storage("redis")})
+    store = build_store(config.storage)
+    assert isinstance(store, RedisFrontedStore)
+    await store.open()
+    client = aioredis.from_url(redis_url)
+    for _ in range(settle * 10):  # from "still connecting" to "parked on the socket"
+        if (await client.pubsub_numsub(store.channel))[0][1] == 1:
+            break
+        await asyncio.sleep(0.01)
+    await client.aclose()
+    task = store._subscriber
+    assert task is not None
+    await store.close()
+    assert task.done() and not task.cancelled()

@@ -215,8 +215,10 @@ class PostgresStore(Store):
             with contextlib.suppress(*_DB_ERRORS):
                 await self._listener.close(timeout=2)
         if self._pool is not None:
-            with contextlib.suppress(*_DB_ERRORS):
+            try:
                 await asyncio.wait_for(self._pool.close(), timeout=5)
+            except _DB_ERRORS:
+                self._pool.terminate()  # connections still busy after 5 s are cut, not waited for
 
     async def _start_listener(self) -> None:
         try:

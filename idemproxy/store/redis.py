@@ -41,6 +41,8 @@ log = logging.getLogger("idemproxy.store.redis")
 
 SOCKET_TIMEOUT = 0.5  # seconds: Redis is the fast path; slower than this, PostgreSQL answers instead
 BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
+CLOSE_TIMEOUT = 2.0  # seconds any one shutdown step may take
+SUBSCRIBER_READ_TIMEOUT = 1.0  # how often the subscriber looks up from its socket to see if it should stop
 
 # KEYS: lock, response. ARGV: "token fingerprint", lease in ms.
 # Returns {"completed", payload} | {"in_flight", lock value, pttl} | {"acquired"}.
@@ -129,6 +131,7 @@ class RedisFrontedStore(Store):
         self._down_until = 0.0
         self._degraded = False
         self._subscriber: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -137,26 +140,32 @@ class RedisFrontedStore(Store):
         self._subscriber = asyncio.create_task(self._subscribe(), name="idemproxy-redis-subscriber")
 
     async def close(self) -> None:
+        self._closing.set()
         if self._subscriber is not None:
-            self._subscriber.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._subscriber
+            # The subscriber notices the flag within one read timeout and ends by itself: redis-py's pub/sub
+            # read can swallow a cancellation, and a task that outlives its loop hangs the process's exit.
+            await asyncio.wait({self._subscriber}, timeout=SUBSCRIBER_READ_TIMEOUT + CLOSE_TIMEOUT)
+            if not self._subscriber.done():
+                log.warning("redis subscriber did not stop in time; cancelling it")
+                self._subscriber.cancel()
         with contextlib.suppress(*_ERRORS):
-            await self.redis.aclose()
+            await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT)
         await self.durable.close()
 
     async def _subscribe(self) -> None:
-        """Deliver completion messages to local waiters; reconnect after Redis comes back."""
-        while True:
-            pubsub = self.redis.pubsub()
+        """Deliver completion messages to local waiters; reconnect after Redis comes back; stop on close."""
+        while not self._closing.is_set():
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                while not self._closing.is_set():
+                    message = await pubsub.get_message(timeout=SUBSCRIBER_READ_TIMEOUT)
+                    if message is not None and message.get("type") == "message":
                         tenant, _, key = message["data"].decode().partition("\x1f")
                         self.watchers.notify(tenant, key)
             except _ERRORS:
-                await asyncio.sleep(BREAKER_COOLDOWN)
+                with contextlib.suppress(TimeoutError):  # back off, but wake at once on close
+                    await asyncio.wait_for(self._closing.wait(), BREAKER_COOLDOWN)
             finally:
                 with contextlib.suppress(*_ERRORS):
                     await pubsub.aclose()
