@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: all install demo test lint typecheck pytest bench clean
+.PHONY: all install demo test lint typecheck validate pytest bench clean
 
 all: test
 
@@ -24,11 +24,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict idemproxy
 
+# Dockerfile, compose file and Kubernetes manifests, offline (alert rules and dashboard: tests/test_deploy.py).
+validate: $(STAMP)
+	$(VENV)/bin/hadolint --failure-threshold warning Dockerfile
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
+	$(VENV)/bin/kubernetes-validate --strict --quiet deploy/k8s/*.yaml
+
 pytest: $(STAMP)
 	$(PY) -m pytest
 
-# The whole suite: lint, types, then every test (real Redis/PostgreSQL started by the run when none is configured).
-test: lint typecheck pytest
+# The whole suite: lint, types, deployment files, then every test (real Redis/PostgreSQL started by the run
+# when none is configured).
+test: lint typecheck validate pytest
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--upstream-port", type=int, default=9000, help="sample API port (default 9000)")
     demo.add_argument("--admin-port", type=int, default=9090)
     demo.add_argument("--store", default="idemproxy-demo.sqlite3", help="embedded store file")
+    demo.add_argument("--api-only", action="store_true",
+                      help="run only the sample payments API, on 0.0.0.0 (for docker compose)")
     return parser
 
 
@@ -119,9 +121,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from idemproxy.demo import run_demo
+    from idemproxy.demo import run_api, run_demo
 
-    _run(run_demo(args.port, args.upstream_port, args.admin_port, args.store))
+    if args.api_only:
+        _run(run_api(args.upstream_port))
+    else:
+        _run(run_demo(args.port, args.upstream_port, args.admin_port, args.store))
     return 0
 
 

@@ -73,6 +73,26 @@ def instructions(port: int, admin_port: int) -> str:
         """)
 
 
+async def _until_signalled() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def run_api(port: int) -> None:
+    """The sample payments API alone (the upstream of the docker compose stack)."""
+    runner = web.AppRunner(payments_app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    print(f"sample payments API on :{port}", flush=True)
+    try:
+        await _until_signalled()
+    finally:
+        await runner.cleanup()
+
+
 async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: str) -> None:
     config = load_config({
         "listen": {"host": "127.0.0.1", "port": port},
@@ -92,11 +112,7 @@ async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: s
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", listen_port).start()
         print(instructions(port, admin_port), flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await _until_signalled()
     finally:
         for runner in runners:
             await runner.cleanup()
