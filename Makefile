@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/idemproxy demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check idemproxy tests
+	$(VENV)/bin/ruff check idemproxy tests bench
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy --strict idemproxy

@@ -60,6 +60,7 @@ async def test_100_mib_each_way_streams_with_bounded_memory(
         assert size == SIZE and received.hexdigest() == pattern_sha256(SIZE)
 
     peak = proxy.peak_rss_bytes()
+    print(f"proxy peak RSS after 100 MiB each way: {peak / MiB:.1f} MiB")
     assert peak < RSS_LIMIT, f"peak RSS {peak / MiB:.1f} MiB"
 
 
