@@ -7,6 +7,7 @@ without them the run starts its own. Each run uses its own database and Redis ke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -52,26 +53,34 @@ def pg_admin_dsn() -> Iterator[str]:
     server.destroy()
 
 
-def _with_database(dsn: str, database: str) -> str:
-    base, _, _ = dsn.rpartition("/")
-    return f"{base}/{database}"
-
-
-@pytest.fixture(scope="session")
-def pg_dsn(pg_admin_dsn: str) -> Iterator[str]:
-    """A database of this run's own, dropped at the end."""
-    name = f"idemproxy_test_{uuid.uuid4().hex[:12]}"
-
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(pg_admin_dsn)
+def _admin_sql(admin_dsn: str, sql: str) -> None:
+    async def run() -> None:
+        conn = await asyncpg.connect(admin_dsn)
         try:
             await conn.execute(sql)
         finally:
             await conn.close()
 
-    asyncio.run(admin(f"CREATE DATABASE {name}"))
-    yield _with_database(pg_admin_dsn, name)
-    asyncio.run(admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    asyncio.run(run())
+
+
+@contextlib.contextmanager
+def scratch_database(admin_dsn: str, prefix: str, before_drop: Callable[[], None] = lambda: None) -> Iterator[str]:
+    """A new database on the server of ``admin_dsn``; yields its DSN and drops it afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    _admin_sql(admin_dsn, f"CREATE DATABASE {name}")
+    try:
+        yield f"{admin_dsn.rpartition('/')[0]}/{name}"
+    finally:
+        before_drop()
+        _admin_sql(admin_dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(pg_admin_dsn: str) -> Iterator[str]:
+    """A database of this run's own, dropped at the end."""
+    with scratch_database(pg_admin_dsn, "idemproxy_test") as dsn:
+        yield dsn
 
 
 @pytest.fixture
@@ -228,20 +237,13 @@ def own_pg() -> Iterator[PostgresServer]:
 @pytest.fixture
 def own_pg_dsn(own_pg: PostgresServer) -> Iterator[str]:
     """A fresh database on the stoppable PostgreSQL; the server is running again when the test ends."""
-    name = f"idemproxy_fault_{uuid.uuid4().hex[:12]}"
 
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(own_pg.admin_dsn)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
+    def restart() -> None:
+        if not own_pg.running():
+            own_pg.start()
 
-    asyncio.run(admin(f"CREATE DATABASE {name}"))
-    yield _with_database(own_pg.admin_dsn, name)
-    if not own_pg.running():
-        own_pg.start()
-    asyncio.run(admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    with scratch_database(own_pg.admin_dsn, "idemproxy_fault", before_drop=restart) as dsn:
+        yield dsn
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,26 @@ import aiohttp
 import yaml
 
 from tests.servers import free_port
+
+
+async def wait_ready(
+    admin_url: str, proc: subprocess.Popen[Any], timeout: float = 30, log: Callable[[], str] = lambda: ""
+) -> None:
+    """Poll /readyz until the process answers 200; fail early, with its log, if it exits."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        while loop.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"proxy exited {proc.returncode}:\n{log()}")
+            try:
+                async with session.get(f"{admin_url}/readyz") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"proxy not ready within {timeout}s:\n{log()}")
 
 
 class ProxyProcess:
@@ -44,21 +65,8 @@ class ProxyProcess:
         await self.wait_ready(timeout)
 
     async def wait_ready(self, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        async with aiohttp.ClientSession() as session:
-            while loop.time() < deadline:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"proxy exited {self.proc.returncode}:\n{self.log()}")
-                try:
-                    async with session.get(f"{self.admin_url}/readyz") as resp:
-                        if resp.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
-        raise RuntimeError(f"proxy not ready within {timeout}s:\n{self.log()}")
+        assert self.proc is not None
+        await wait_ready(self.admin_url, self.proc, timeout, self.log)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

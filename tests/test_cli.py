@@ -6,8 +6,7 @@ import asyncio
 import re
 import subprocess
 import sys
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -16,19 +15,16 @@ import pytest
 import yaml
 
 from idemproxy.store.postgres import MIGRATIONS, migrate
+from tests.conftest import scratch_database
+from tests.proxyproc import wait_ready
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream
 
 
 @pytest.fixture
-async def empty_db(pg_dsn: str) -> AsyncIterator[str]:
-    name = f"idemproxy_cli_{uuid.uuid4().hex[:10]}"
-    admin_dsn = pg_dsn.rsplit("/", 1)[0] + "/postgres"
-    conn = await asyncpg.connect(admin_dsn)
-    await conn.execute(f"CREATE DATABASE {name}")
-    yield pg_dsn.rsplit("/", 1)[0] + f"/{name}"
-    await conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
-    await conn.close()
+def empty_db(pg_admin_dsn: str) -> Iterator[str]:
+    with scratch_database(pg_admin_dsn, "idemproxy_cli") as dsn:
+        yield dsn
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -100,15 +96,8 @@ async def test_workers_share_the_port_and_metrics_add_up(
     proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
+        await wait_ready(f"http://127.0.0.1:{admin}", proc)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
-            for _ in range(300):
-                try:
-                    async with session.get(f"http://127.0.0.1:{admin}/readyz") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
             headers = {"Authorization": "t"}
             for i in range(20):  # new connections each time, spread by the kernel over the workers
                 async with session.post(f"http://127.0.0.1:{port}/v1/c", json={"i": i},

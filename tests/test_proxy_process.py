@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.proxyproc import ProxyProcess
+from tests.proxyproc import ProxyProcess, wait_ready
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream, pattern_sha256
 
@@ -95,14 +95,8 @@ async def test_serve_with_only_an_upstream_flag_runs_on_the_embedded_store(
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:
+        await wait_ready(f"http://127.0.0.1:{admin}", proc)
         async with aiohttp.ClientSession() as session:
-            for _ in range(200):
-                try:
-                    async with session.get(f"http://127.0.0.1:{admin}/readyz") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.05)
             # no tenant header: first-try defaults use a static tenant
             for _ in range(2):
                 async with session.post(f"http://127.0.0.1:{port}/v1/charges", json={"a": 1},
