@@ -142,6 +142,8 @@ class RedisFrontedStore(Store):
     async def close(self) -> None:
         self._closing.set()
         if self._subscriber is not None:
+            with contextlib.suppress(*_ERRORS):  # wake it now rather than at its next read timeout
+                await asyncio.wait_for(self.redis.publish(self.channel, b""), CLOSE_TIMEOUT)
             # The subscriber notices the flag within one read timeout and ends by itself: redis-py's pub/sub
             # read can swallow a cancellation, and a task that outlives its loop hangs the process's exit.
             await asyncio.wait({self._subscriber}, timeout=SUBSCRIBER_READ_TIMEOUT + CLOSE_TIMEOUT)
@@ -160,7 +162,7 @@ class RedisFrontedStore(Store):
                 await pubsub.subscribe(self.channel)
                 while not self._closing.is_set():
                     message = await pubsub.get_message(timeout=SUBSCRIBER_READ_TIMEOUT)
-                    if message is not None and message.get("type") == "message":
+                    if message is not None and message.get("type") == "message" and message["data"]:
                         tenant, _, key = message["data"].decode().partition("\x1f")
                         self.watchers.notify(tenant, key)
             except _ERRORS:
