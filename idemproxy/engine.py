@@ -291,7 +291,7 @@ class Engine:
         lease_left = (record.lease_expires_at or claim.now) - claim.now
         raise InFlight(
             "A request with this idempotency key is still being processed; retry later.",
-            retry_after=lease_left,
+            lease_expires_in=lease_left,
         )
 
     def _replay(self, claim: Claim, idem: IdempotencyConfig) -> web.Response:

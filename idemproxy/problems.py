@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
@@ -32,6 +33,7 @@ from aiohttp import web
 log = logging.getLogger("idemproxy")
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
+RETRY_AFTER_SECONDS = 1
 _TYPE_BASE = "https://idemproxy.dev/problems/"
 
 
@@ -95,9 +97,11 @@ class RecordNotFound(Problem):
 class InFlight(Problem):
     status, code, title, outcome = 409, "in_flight", "Request already in flight", "in_flight"
 
-    def __init__(self, detail: str, retry_after: float) -> None:
-        super().__init__(detail)
-        self.headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
+    def __init__(self, detail: str, lease_expires_in: float) -> None:
+        # Retry-After is a short hint: the first attempt usually answers within moments, and a retry then gets
+        # the replay. When the owner is gone, the key is taken over only after lease_expires_in seconds.
+        super().__init__(detail, lease_expires_in=max(0, math.ceil(lease_expires_in)))
+        self.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
 
 
 class BodyTooLarge(Problem):
