@@ -158,3 +158,33 @@ async def test_round_trips_per_path(
 
     assert (first_redis, first_pg) == (2, 2), (first_redis, first_pg)
     assert (replay_redis, replay_pg) == (1, 0), (replay_redis, replay_pg)
+
+
+async def test_round_trips_of_a_duplicate_in_flight(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str
+) -> None:
+    proxy = await make_proxy(storage_section=redis_section(running_redis, clean_pg))
+    await proxy.post("/v1/charges", key="warm-up", body=CHARGE)
+    first = asyncio.ensure_future(proxy.post("/v1/charges", key="dup", body=CHARGE, headers={"X-Test-Delay": "0.5"}))
+    while upstream.count(key="dup") == 0:
+        await asyncio.sleep(0.005)
+    redis_before, pg_before = redis_round_trips(running_redis), durable(proxy).statements
+    resp, _ = await proxy.post("/v1/charges", key="dup", body=CHARGE)
+    assert resp.status == 409
+    assert (redis_round_trips(running_redis) - redis_before, durable(proxy).statements - pg_before) == (1, 0)
+    await first
+
+
+async def test_round_trips_on_postgres_alone(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
+) -> None:
+    proxy = await make_proxy(storage_section=pg_section(clean_pg))
+    await proxy.post("/v1/charges", key="warm-up", body=CHARGE)
+    before = durable(proxy).statements
+    await proxy.post("/v1/charges", key="pg-rt", body=CHARGE)
+    first = durable(proxy).statements - before
+    before = durable(proxy).statements
+    resp, _ = await proxy.post("/v1/charges", key="pg-rt", body=CHARGE)
+    assert resp.headers["Idempotent-Replayed"] == "true"
+    # claim + complete; the NOTIFY that wakes wait-mode waiters rides inside the complete statement
+    assert (first, durable(proxy).statements - before) == (2, 1), first

@@ -96,6 +96,13 @@ UPDATE {TABLE} SET state = 'completed', status = $4, headers = $5, body = $6, bo
 _RELEASE = f"DELETE FROM {TABLE} WHERE tenant = $1 AND key = $2 AND lease_token = $3"
 _GET = f"SELECT {_COLUMNS} FROM {TABLE} WHERE tenant = $1 AND key = $2"
 _FORGET = f"DELETE FROM {TABLE} WHERE tenant = $1 AND key = $2"
+
+
+def _counted(statement: str, params: int, notify: bool) -> str:
+    """``statement`` returning how many rows it changed; with ``notify``, it also NOTIFYs once per changed
+    row (parameters ``$params+1``, ``$params+2``: channel and payload), in the same round trip."""
+    per_row = f"pg_notify(${params + 1}, ${params + 2})" if notify else "1"
+    return f"WITH changed AS ({statement} RETURNING 1) SELECT count(*) FROM (SELECT {per_row} FROM changed) AS c"
 # Bounded batch; SKIP LOCKED keeps the sweeper off rows a claim is updating right now.
 _SWEEP = f"""
 DELETE FROM {TABLE} WHERE ctid IN (
@@ -244,9 +251,13 @@ class PostgresStore(Store):
                 log.warning("postgres %s failed: %s: %s", operation, type(exc).__name__, exc)
                 raise StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.") from exc
 
-    async def _notify(self, conn: Any, tenant: str, key: str) -> None:
-        if self.listen:
-            await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CHANNEL, f"{tenant}\x1f{key}")
+    async def _change(self, operation: str, statement: str, *args: Any) -> bool:
+        """Run a fenced write; True when it changed the record (and then woke LISTENing waiters)."""
+        sql = _counted(statement, len(args), self.listen)
+        notify = (NOTIFY_CHANNEL, f"{args[0]}\x1f{args[1]}") if self.listen else ()
+        async with self._conn(operation) as conn:
+            changed: int = await conn.fetchval(sql, *args, *notify)
+        return changed == 1
 
     async def claim(
         self, tenant: str, key: str, fingerprint: str, *, lease: float, ttl: float,
@@ -272,23 +283,13 @@ class PostgresStore(Store):
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         tenant, key, token = claim.record.tenant, claim.record.key, claim.token
         headers = json.dumps([list(pair) for pair in response.headers])
-        async with self._conn("complete") as conn:
-            result = await conn.execute(
-                _COMPLETE, tenant, key, token, response.status, headers,
-                response.body or b"", response.body is not None, ttl,
-            )
-            done: bool = result == "UPDATE 1"
-            if done:
-                await self._notify(conn, tenant, key)
-        return done
+        return await self._change(
+            "complete", _COMPLETE, tenant, key, token, response.status, headers,
+            response.body or b"", response.body is not None, ttl,
+        )
 
     async def release(self, claim: Claim) -> bool:
-        tenant, key, token = claim.record.tenant, claim.record.key, claim.token
-        async with self._conn("release") as conn:
-            done: bool = await conn.execute(_RELEASE, tenant, key, token) == "DELETE 1"
-            if done:
-                await self._notify(conn, tenant, key)
-        return done
+        return await self._change("release", _RELEASE, claim.record.tenant, claim.record.key, claim.token)
 
     async def get(self, tenant: str, key: str) -> Record | None:
         async with self._conn("get") as conn:
@@ -296,11 +297,7 @@ class PostgresStore(Store):
         return _record(row) if row is not None else None
 
     async def forget(self, tenant: str, key: str) -> bool:
-        async with self._conn("forget") as conn:
-            done: bool = await conn.execute(_FORGET, tenant, key) == "DELETE 1"
-            if done:
-                await self._notify(conn, tenant, key)
-        return done
+        return await self._change("forget", _FORGET, tenant, key)
 
     async def sweep(self, limit: int) -> int:
         """One batch, by one replica at a time (a transaction-scoped advisory lock)."""
