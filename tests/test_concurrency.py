@@ -18,8 +18,10 @@ from tests.proxyproc import ProxyProcess
 from tests.upstream import RecordingUpstream
 
 N = 50
+LEASE = "3s"  # shared by the multi-process tests; the kill -9 test waits it out
 CHARGE = {"amount": 1000, "currency": "eur"}
-HEADERS = {"Authorization": "Bearer t1", "X-Test-Delay": "0.5"}
+# The first request is held this long upstream, so all duplicates arrive while it is in flight even on a busy CI box.
+HEADERS = {"Authorization": "Bearer t1", "X-Test-Delay": "1.5"}
 
 
 Result = tuple[int, dict[str, str], bytes]
@@ -78,8 +80,8 @@ async def test_wait_mode_runs_out_with_409(make_proxy: ProxyFactory, upstream: R
 
 def shared_config(upstream: RecordingUpstream, storage: StorageFactory, **idempotency: Any) -> dict[str, Any]:
     return {
-        "upstream": {"url": upstream.url, "timeout": "1s"},
-        "idempotency": {"lease": "2s", **idempotency},
+        "upstream": {"url": upstream.url, "timeout": "2s"},
+        "idempotency": {"lease": LEASE, **idempotency},
         "storage": storage("redis"),
         "log": {"access": "off"},
     }
@@ -106,7 +108,8 @@ async def test_kill_9_then_exactly_one_retry_takes_over_after_the_lease(
 ) -> None:
     config = shared_config(upstream, storage)
     victim = proxy_process(config, name="victim")
-    await victim.start()
+    survivor = proxy_process(config, name="survivor")  # a second replica, already up: no start-up in the window
+    await asyncio.gather(victim.start(), survivor.start())
     async with aiohttp.ClientSession() as session:
         doomed = asyncio.ensure_future(session.post(
             victim.url + "/v1/charges", json=CHARGE,
@@ -119,14 +122,13 @@ async def test_kill_9_then_exactly_one_retry_takes_over_after_the_lease(
         with pytest.raises(aiohttp.ClientError):
             await doomed
 
-    survivor = proxy_process(config, name="survivor")
-    await survivor.start()
     early = await fire([survivor.url], "crash", n=5, headers={"X-Test-Delay": "0"})
+    assert time.time() < claimed_at + 3.0, "the check ran too late to mean anything"
     assert {status for status, _, _ in early} == {409}
     assert upstream.count(key="crash") == 1
 
-    await asyncio.sleep(max(claimed_at + 2.0 - time.time(), 0) + 0.1)  # the 2 s lease runs out
-    late = await fire([survivor.url], "crash", n=10, headers={"X-Test-Delay": "0.3"})
+    await asyncio.sleep(max(claimed_at + 3.0 - time.time(), 0) + 0.1)  # the 3 s lease runs out
+    late = await fire([survivor.url], "crash", n=10, headers={"X-Test-Delay": "1.5"})
     assert Counter(status for status, _, _ in late) == {201: 1, 409: 9}
     assert upstream.count(key="crash") == 2  # the lost original plus exactly one takeover
     replay = await fire([survivor.url], "crash", n=1, headers={"X-Test-Delay": "0"})

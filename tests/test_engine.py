@@ -344,7 +344,7 @@ async def test_client_disconnect_does_not_stop_execution_or_store(
 ) -> None:
     proxy = await make_proxy(backend)
     first = asyncio.ensure_future(proxy.post("/v1/charges", key="gone", body=CHARGE,
-                                             headers={"X-Test-Delay": "0.5"}))
+                                             headers={"X-Test-Delay": "1"}))
     while upstream.count(key="gone") == 0:
         await asyncio.sleep(0.005)
     first.cancel()  # the client goes away mid-request
@@ -361,8 +361,8 @@ async def test_client_disconnect_does_not_stop_execution_or_store(
 async def test_lease_takeover_after_the_lease_runs_out(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    proxy = await make_proxy(upstream={"timeout": "200ms"}, idempotency={"lease": "600ms"})
-    resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE, headers={"X-Test-Delay": "1"})
+    proxy = await make_proxy(upstream={"timeout": "200ms"}, idempotency={"lease": "1500ms"})
+    resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE, headers={"X-Test-Delay": "2"})
     assert resp.status == 504  # outcome unknown: the lease is kept
     resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE)
     assert resp.status == 409
@@ -380,7 +380,7 @@ async def test_ttl_expiry_makes_the_key_usable_again(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
     proxy = await make_proxy(upstream={"timeout": "100ms"},
-                             idempotency={"lease": "200ms", "ttl": "300ms"})
+                             idempotency={"lease": "200ms", "ttl": "1s"})
     await proxy.post("/v1/charges", key="ttl", body=CHARGE)
     resp, _ = await proxy.post("/v1/charges", key="ttl", body={"different": True})
     assert resp.status == 422

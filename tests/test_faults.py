@@ -165,7 +165,7 @@ async def test_round_trips_of_a_duplicate_in_flight(
 ) -> None:
     proxy = await make_proxy(storage_section=redis_section(running_redis, clean_pg))
     await proxy.post("/v1/charges", key="warm-up", body=CHARGE)
-    first = asyncio.ensure_future(proxy.post("/v1/charges", key="dup", body=CHARGE, headers={"X-Test-Delay": "0.5"}))
+    first = asyncio.ensure_future(proxy.post("/v1/charges", key="dup", body=CHARGE, headers={"X-Test-Delay": "1.5"}))
     while upstream.count(key="dup") == 0:
         await asyncio.sleep(0.005)
     redis_before, pg_before = redis_round_trips(running_redis), durable(proxy).statements
@@ -188,3 +188,30 @@ async def test_round_trips_on_postgres_alone(
     assert resp.headers["Idempotent-Replayed"] == "true"
     # claim + complete; the NOTIFY that wakes wait-mode waiters rides inside the complete statement
     assert (first, durable(proxy).statements - before) == (2, 1), first
+
+
+async def test_postgres_dies_while_the_upstream_executes(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, own_pg: PostgresServer, own_pg_dsn: str
+) -> None:
+    """The upstream executed, so the client gets its real answer; the key keeps its lease (never released)."""
+    proxy = await make_proxy(storage_section=pg_section(own_pg_dsn))
+    pending = asyncio.ensure_future(
+        proxy.post("/v1/charges", key="mid", body=CHARGE, headers={"X-Test-Delay": "1.5"})
+    )
+    while upstream.count(key="mid") == 0:
+        await asyncio.sleep(0.005)
+    await asyncio.to_thread(own_pg.stop)
+    resp, body = await pending
+    assert resp.status == 201 and json.loads(body)["serial"] >= 1
+    assert resp.headers["Idempotent-Replayed"] == "false"
+    assert 'idemproxy_store_errors_total{backend="postgres",operation="complete"} 1.0' in (
+        proxy.proxy.metrics.render().decode()
+    )
+    await asyncio.to_thread(own_pg.start)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while (await readyz(proxy))[0] != 200 and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    retry, body = await proxy.post("/v1/charges", key="mid", body=CHARGE)
+    assert retry.status == 409 and json.loads(body)["lease_expires_in"] > 0  # not re-executed
+    assert upstream.count(key="mid") == 1
