@@ -17,11 +17,6 @@ def canonical_json(body: bytes) -> bytes | None:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def is_json_type(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or media.endswith("+json")
-
-
 def fingerprint(
     method: str,
     path_qs: str,

@@ -106,6 +106,16 @@ class Watchers:
             if not waiting:
                 self._waiting.pop((tenant, key), None)
 
+    @staticmethod
+    def message(tenant: str, key: str) -> str:
+        """The (tenant, key) as sent between processes (LISTEN/NOTIFY, Redis pub/sub)."""
+        return f"{tenant}\x1f{key}"
+
+    def notify_message(self, message: str) -> None:
+        """Wake the waiters of a (tenant, key) received from another process."""
+        tenant, _, key = message.partition("\x1f")
+        self.notify(tenant, key)
+
     def notify(self, tenant: str, key: str) -> None:
         for future in self._waiting.get((tenant, key), ()):
             if not future.done():
@@ -189,9 +199,9 @@ class Store(ABC):
             yield future
 
     @contextlib.asynccontextmanager
-    async def measured(self, operation: str, backend: str | None = None) -> AsyncIterator[None]:
+    async def measured(self, operation: str) -> AsyncIterator[None]:
         """Time an operation and count its failure; the backend translates its own errors inside."""
-        name = backend or self.backend
+        name = self.backend
         started = time.perf_counter()
         try:
             yield

@@ -237,8 +237,7 @@ class PostgresStore(Store):
             self._listener = None
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        tenant, _, key = payload.partition("\x1f")
-        self.watchers.notify(tenant, key)
+        self.watchers.notify_message(payload)
 
     @contextlib.asynccontextmanager
     async def _conn(self, operation: str) -> AsyncIterator[Any]:
@@ -254,7 +253,7 @@ class PostgresStore(Store):
     async def _change(self, operation: str, statement: str, *args: Any) -> bool:
         """Run a fenced write; True when it changed the record (and then woke LISTENing waiters)."""
         sql = _counted(statement, len(args), self.listen)
-        notify = (NOTIFY_CHANNEL, f"{args[0]}\x1f{args[1]}") if self.listen else ()
+        notify = (NOTIFY_CHANNEL, self.watchers.message(args[0], args[1])) if self.listen else ()
         async with self._conn(operation) as conn:
             changed: int = await conn.fetchval(sql, *args, *notify)
         return changed == 1

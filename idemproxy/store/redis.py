@@ -163,8 +163,7 @@ class RedisFrontedStore(Store):
                 while not self._closing.is_set():
                     message = await pubsub.get_message(timeout=SUBSCRIBER_READ_TIMEOUT)
                     if message is not None and message.get("type") == "message" and message["data"]:
-                        tenant, _, key = message["data"].decode().partition("\x1f")
-                        self.watchers.notify(tenant, key)
+                        self.watchers.notify_message(message["data"].decode())
             except _ERRORS:
                 with contextlib.suppress(TimeoutError):  # back off, but wake at once on close
                     await asyncio.wait_for(self._closing.wait(), BREAKER_COOLDOWN)
@@ -176,7 +175,7 @@ class RedisFrontedStore(Store):
 
     def _keys(self, tenant: str, key: str) -> list[str]:
         # The tag is a digest: raw keys never appear in Redis, and a '}' in a key cannot split the slot.
-        tag = hashlib.sha256(f"{tenant}\x1f{key}".encode()).hexdigest()[:32]
+        tag = hashlib.sha256(self.watchers.message(tenant, key).encode()).hexdigest()[:32]
         prefix = self.config.key_prefix
         return [f"{prefix}{{{tag}}}:lock", f"{prefix}{{{tag}}}:resp"]
 
@@ -211,9 +210,6 @@ class RedisFrontedStore(Store):
                 self.metrics.store_duration.labels("redis", operation).observe(
                     time.perf_counter() - started
                 )
-
-    def _message(self, tenant: str, key: str) -> str:
-        return f"{tenant}\x1f{key}"
 
     # ------------------------------------------------------------------ operations
 
@@ -271,7 +267,7 @@ class RedisFrontedStore(Store):
             if usable[0]:
                 await self._settle_script(
                     keys=self._keys(tenant, key),
-                    args=[token, payload, cache_ms, self.channel, self._message(tenant, key)],
+                    args=[token, payload, cache_ms, self.channel, self.watchers.message(tenant, key)],
                 )
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
@@ -299,7 +295,7 @@ class RedisFrontedStore(Store):
         async with self._fast("forget") as usable:
             if usable[0]:
                 await self._forget_script(
-                    keys=self._keys(tenant, key), args=[self.channel, self._message(tenant, key)]
+                    keys=self._keys(tenant, key), args=[self.channel, self.watchers.message(tenant, key)]
                 )
         return done
 
