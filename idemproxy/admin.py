@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -69,7 +68,7 @@ class AdminAPI:
         self._log("show", tenant, key, found=record is not None)
         if record is None:
             raise RecordNotFound("No record for this tenant and key.")
-        return web.json_response(describe(record, time.time()))
+        return web.json_response(describe(record, await self.store.clock()))
 
     async def delete(self, request: web.Request) -> web.Response:
         """Release a stuck in-flight record or forget a completed one: the next request executes anew."""

@@ -48,7 +48,7 @@ class Proxy:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        await self.engine.drain()
+        await self.engine.drain(self.config.shutdown_timeout)
         await self.upstream.close()
         await self.store.close()
 

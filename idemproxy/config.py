@@ -20,6 +20,16 @@ import yaml
 
 T = TypeVar("T")
 
+# The lease starts when the key is claimed, but the answer is stored only after the whole forward: the lease
+# must outlast upstream.timeout by the claim and completion round trips plus the scheduling delay of a loaded
+# replica. 2 s is ample for a store that answers at all (a completion normally takes milliseconds); a store
+# slower than that is a store fault, handled by the fenced settle retries, never by a second forward.
+LEASE_MARGIN = 2.0
+# Keys and unhashed tenants are bounded so every backend can index (tenant, key): PostgreSQL's btree refuses
+# index rows over ~2700 bytes, so 1024 bytes each leaves room for the row header.
+KEY_MAX_LENGTH_LIMIT = 1024
+TENANT_MAX_BYTES = 1024
+
 
 class ConfigError(Exception):
     """The configuration is invalid; ``errors`` lists every problem with its key path."""
@@ -122,6 +132,7 @@ class IdempotencyConfig:
     strip_replay_headers: tuple[str, ...] = ("Set-Cookie",)
     max_request_body: int = 1024 * 1024
     max_stored_response: int = 1024 * 1024
+    settle_timeout: float = 30.0  # how long a client waits while its completion is retried (store down)
 
 
 @dataclass(frozen=True)
@@ -156,11 +167,20 @@ class PostgresConfig:
 
 
 @dataclass(frozen=True)
+class PendingSettlesConfig:
+    """Bounds on completions and releases retried in the background while the store is down."""
+
+    max_count: int = 10_000
+    max_bytes: int = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
 class StorageConfig:
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     redis: RedisConfig | None = None
     postgres: PostgresConfig | None = None
     on_store_error: Literal["fail_closed", "fail_open"] = "fail_closed"
+    pending_settles: PendingSettlesConfig = field(default_factory=PendingSettlesConfig)
 
     @property
     def backend(self) -> Literal["embedded", "postgres"]:
@@ -340,7 +360,7 @@ _IDEMPOTENCY_SPEC: _Spec = {
     "header": _token,
     "methods": _list(_method),
     "required": _bool,
-    "key_max_length": _int(1, 8192),
+    "key_max_length": _int(1, KEY_MAX_LENGTH_LIMIT),
     "ttl": parse_duration,
     "lease": parse_duration,
     "in_flight": _choice("reject", "wait"),
@@ -354,6 +374,7 @@ _IDEMPOTENCY_SPEC: _Spec = {
     "strip_replay_headers": _list(_token),
     "max_request_body": parse_size,
     "max_stored_response": parse_size,
+    "settle_timeout": parse_duration,
 }
 
 _SPECS: dict[type[Any], _Spec] = {
@@ -375,6 +396,7 @@ _SPECS: dict[type[Any], _Spec] = {
     },
     IdempotencyConfig: _IDEMPOTENCY_SPEC,
     EmbeddedConfig: {"path": _str},
+    PendingSettlesConfig: {"max_count": _int(1, 10_000_000), "max_bytes": parse_size},
     RedisConfig: {"url": _redis_url, "key_prefix": _str, "replay_cache_ttl": parse_duration},
     PostgresConfig: {
         "dsn": _pg_dsn,
@@ -496,7 +518,7 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
     if not isinstance(raw, dict):
         loader.error("storage", f"{_short(raw)} is not a mapping")
         return StorageConfig()
-    known = ("embedded", "redis", "postgres", "on_store_error")
+    known = ("embedded", "redis", "postgres", "on_store_error", "pending_settles")
     for key in raw:
         if key not in known:
             loader.error(f"storage.{key}", f"unknown key (known: {', '.join(known)})")
@@ -517,6 +539,7 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
         redis=redis,
         postgres=postgres,
         on_store_error=cast(Literal["fail_closed", "fail_open"], on_error),
+        pending_settles=loader.section(PendingSettlesConfig, "storage.pending_settles", raw.get("pending_settles")),
     )
 
 
@@ -536,12 +559,12 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
     policies = [("idempotency", config.idempotency)]
     policies += [(f"routes[{i}]", r.idempotency) for i, r in enumerate(config.routes)]
     for path, idem in policies:
-        if config.upstream.timeout >= idem.lease:
+        if idem.lease < config.upstream.timeout + LEASE_MARGIN:
             loader.error(
                 f"{path}.lease",
                 f"{_fmt_seconds(idem.lease)} must be longer than upstream.timeout "
-                f"({_fmt_seconds(config.upstream.timeout)}), or a slow request loses its lease "
-                "while still running",
+                f"({_fmt_seconds(config.upstream.timeout)}) by at least {_fmt_seconds(LEASE_MARGIN)}, or a "
+                "slow request loses its lease before its answer is stored",
             )
         if idem.ttl < idem.lease:
             loader.error(f"{path}.ttl", f"{_fmt_seconds(idem.ttl)} must not be shorter than the lease")

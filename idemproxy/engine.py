@@ -30,10 +30,11 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from idemproxy.config import Config, IdempotencyConfig
+from idemproxy.config import LEASE_MARGIN, TENANT_MAX_BYTES, Config, IdempotencyConfig
 from idemproxy.fingerprint import fingerprint
 from idemproxy.metrics import Metrics
 from idemproxy.problems import (
+    BadRequest,
     BodyTooLarge,
     InFlight,
     InvalidKey,
@@ -53,11 +54,13 @@ from idemproxy.proxy import (
     client_response_headers,
     filter_headers,
     read_at_most,
+    request_target,
     stream_response,
     upstream_errors,
     upstream_request_headers,
 )
-from idemproxy.store.base import Claim, State, Store, StoredResponse
+from idemproxy.settle import Settler
+from idemproxy.store.base import Claim, Record, State, Store, StoredResponse, new_token
 
 _T = TypeVar("_T")
 
@@ -125,7 +128,15 @@ def _unquote_sf_string(inner: str) -> str:
 
 def short_hash(value: str) -> str:
     """A log-safe stand-in for a tenant or key (raw keys and credentials never reach the logs)."""
-    return hashlib.sha256(value.encode()).hexdigest()[:12] if value else ""
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).hexdigest()[:12] if value else ""
+
+
+def _is_utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Engine:
@@ -136,15 +147,17 @@ class Engine:
         self.store = store
         self.upstream = upstream
         self.metrics = metrics
-        self._tasks: set[asyncio.Task[_Forwarded]] = set()
+        self.settler = Settler(metrics, config.storage.pending_settles)
+        self._tasks: set[asyncio.Task[_Forwarded | web.Response]] = set()
         # Access lines are written at the configured level (so "debug" hides them under an info root).
         level = config.log.access
         self._access_level: int | None = None if level == "OFF" else logging.getLevelName(level)
 
-    async def drain(self) -> None:
-        """Wait for every shielded forward-and-store task (called at shutdown)."""
+    async def drain(self, timeout: float = 30.0) -> None:
+        """At shutdown: wait for every shielded forward-and-settle task, then flush pending settles."""
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.settler.flush(timeout)
 
     # ------------------------------------------------------------------ entry
 
@@ -218,7 +231,7 @@ class Engine:
         ex.key = key = parse_key(key_values, idem.key_max_length)
         body = await read_body(request, idem.max_request_body)
         fp = fingerprint(
-            request.method, request.raw_path,
+            request.method, request_target(request),
             ((name, ",".join(request.headers.getall(name, []))) for name in idem.fingerprint_headers),
             body, canonical=idem.canonical_json,
         )
@@ -243,18 +256,27 @@ class Engine:
             if tenant.required:
                 raise MissingTenant(f"The {tenant.header} header is required to scope idempotency keys.")
             return ANONYMOUS_TENANT
-        return hashlib.sha256(value.encode()).hexdigest() if tenant.hash else value
+        # Header values arrive as UTF-8 with undecodable bytes escaped: hash the bytes as received.
+        raw = value.encode("utf-8", "surrogateescape")
+        if tenant.hash:
+            return hashlib.sha256(raw).hexdigest()
+        if len(raw) > TENANT_MAX_BYTES or not _is_utf8(value):
+            raise MissingTenant(
+                f"The {tenant.header} header cannot be used as a tenant unhashed (valid UTF-8 of at most "
+                f"{TENANT_MAX_BYTES} bytes); the operator can set tenant.hash: true."
+            )
+        return value
 
     async def _claim(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
         """Claim the key; in ``wait`` mode, wait (woken by the store's notifications) for the owner."""
         if idem.in_flight == "reject":
-            return await self.store.claim(tenant, key, fp, lease=idem.lease, ttl=idem.ttl)
+            return await self._claim_once(tenant, key, fp, idem)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + idem.wait_timeout
         while True:
             # Watch before reading: a completion between the read and the wait still wakes us.
             with self.store.watch(tenant, key) as changed:
-                claim = await self.store.claim(tenant, key, fp, lease=idem.lease, ttl=idem.ttl)
+                claim = await self._claim_once(tenant, key, fp, idem)
                 record = claim.record
                 if claim.owned or record.state is State.COMPLETED or record.fingerprint != fp:
                     return claim
@@ -265,6 +287,23 @@ class Engine:
                 # Past the lease the record may be taken over, so look again then at the latest.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed, min(remaining, max(lease_left, 0.01)))
+
+    async def _claim_once(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
+        token = new_token()
+        try:
+            return await self.store.claim(tenant, key, fp, lease=idem.lease, ttl=idem.ttl, token=token)
+        except StoreUnavailable:
+            # The claim may have landed although its answer never came back (a timeout, a cut after the
+            # commit): the key would then sit in flight for a whole lease with nothing sent. Release it with the
+            # token it would carry (fenced: harmless if it never landed), in the background.
+            now = time.time()
+            ghost = Claim(record=Record(
+                tenant=tenant, key=key, fingerprint=fp, state=State.IN_FLIGHT, lease_token=token,
+                lease_expires_at=now + idem.lease, response=None, created_at=now, completed_at=None,
+                expires_at=now + idem.ttl,
+            ), owned=True, now=now)
+            self.settler.release_later(lambda: self.store.release(ghost), until=self._lease_end(ghost))
+            raise
 
     async def _decide(
         self, request: web.Request, claim: Claim, fp: str, body: bytes,
@@ -280,6 +319,12 @@ class Engine:
                 self.metrics.records_expired.inc()
             ex.outcome = "forwarded"
             return await self._execute(request, claim, body, idem, ex)
+        return self._answer_record(record, fp, idem, claim.now, ex)
+
+    def _answer_record(
+        self, record: Record, fp: str, idem: IdempotencyConfig, now: float, ex: _Exchange
+    ) -> web.Response:
+        """What a standing record means for a request that does not own it: 422, replay or 409."""
         if record.fingerprint != fp:
             ex.outcome = "payload_mismatch"
             raise PayloadMismatch(
@@ -287,15 +332,15 @@ class Engine:
             )
         if record.state is State.COMPLETED:
             ex.outcome = "replayed"
-            return self._replay(claim, idem)
-        lease_left = (record.lease_expires_at or claim.now) - claim.now
+            return self._replay(record, idem)
+        lease_left = (record.lease_expires_at or now) - now
         raise InFlight(
             "A request with this idempotency key is still being processed; retry later.",
             lease_expires_in=lease_left,
         )
 
-    def _replay(self, claim: Claim, idem: IdempotencyConfig) -> web.Response:
-        stored = claim.record.response
+    def _replay(self, record: Record, idem: IdempotencyConfig) -> web.Response:
+        stored = record.response
         assert stored is not None
         if stored.body is None:
             raise ResponseNotReplayable(
@@ -325,6 +370,8 @@ class Engine:
         except (UpstreamReset, UpstreamTimeout, UpstreamUnreachable):
             ex.outcome = "upstream_error"
             raise
+        if isinstance(forwarded, web.Response):
+            return forwarded  # the completion was refused: what the record says now
         headers = [(idem.replay_header, "false")]
         try:
             if forwarded.complete:
@@ -342,18 +389,33 @@ class Engine:
 
     async def _forward_and_settle(
         self, request: web.Request, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
-    ) -> _Forwarded:
-        """Forward once; then store, release or keep the lease (outcome table) before answering."""
-        headers = upstream_request_headers(request, drop=() if self.config.upstream.forward_key
-                                           else (idem.header,))
+    ) -> _Forwarded | web.Response:
+        """Forward once; then store, release or keep the lease (outcome table) before answering.
+
+        Returns the upstream's answer once its record is settled, or (when the completion was refused) the
+        answer the record gives now: an answer that is not stored never reaches the client (guarantee 2).
+        """
+        try:
+            # Everything that can fail before a byte is sent: a failure here releases the key at once.
+            headers = upstream_request_headers(request, drop=(idem.header,))
+            if self.config.upstream.forward_key:
+                # The key as the proxy understood it, so the upstream can dedupe a takeover ('"k"' is 'k').
+                headers[idem.header] = claim.record.key
+            budget = min(self.config.upstream.timeout, claim.lease_left() - LEASE_MARGIN)
+            if budget <= 0:  # the claim itself took most of the lease: never forward into a takeover
+                raise StoreUnavailable("The idempotency store answered too slowly; nothing was sent.")
+            self.upstream.url(request)
+        except BaseException:
+            await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
+            raise
         started = time.perf_counter()
         try:
             with upstream_errors():
-                async with asyncio.timeout(self.config.upstream.timeout):
+                async with asyncio.timeout(budget):
                     upstream = await self.upstream.send(request, headers, body)
                     head, complete = await read_at_most(upstream, idem.max_stored_response)
-        except UpstreamUnreachable:
-            await self._settle(self.store.release(claim), "release")
+        except (UpstreamUnreachable, BadRequest):  # nothing was sent
+            await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
             raise
         except (UpstreamTimeout, UpstreamReset) as problem:
             await self._unknown_outcome(claim, idem, problem_response(problem))
@@ -361,16 +423,20 @@ class Engine:
         finally:
             ex.upstream_seconds += time.perf_counter() - started
         try:
-            await self._settle_answer(claim, idem, upstream, head, complete)
+            refused = await self._settle_answer(claim, idem, upstream, head, complete)
         except BaseException:
             upstream.release()
             raise
+        if refused is not None:
+            upstream.release()
+            return refused
         return _Forwarded(upstream=upstream, head=head, complete=complete)
 
     async def _settle_answer(
         self, claim: Claim, idem: IdempotencyConfig, upstream: aiohttp.ClientResponse,
         head: bytes, complete: bool,
-    ) -> None:
+    ) -> web.Response | None:
+        """Complete or release per the outcome table; a refused completion returns what the record says."""
         status = upstream.status
         stored = StoredResponse(
             status=status,
@@ -379,36 +445,75 @@ class Engine:
         )
         if status in idem.release_statuses or (status >= 500 and not idem.store_5xx
                                                 and status not in _UNKNOWN_STATUSES):
-            await self._settle(self.store.release(claim), "release")
-        elif status in _UNKNOWN_STATUSES:
-            await self._unknown_outcome(claim, idem, stored)
-        else:
-            await self._complete(claim, stored, idem)
+            await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
+            return None
+        if status in _UNKNOWN_STATUSES:
+            return await self._unknown_outcome(claim, idem, stored)
+        return await self._complete(claim, stored, idem)
 
     async def _unknown_outcome(
         self, claim: Claim, idem: IdempotencyConfig, answer: StoredResponse
-    ) -> None:
+    ) -> web.Response | None:
         """The upstream may or may not have executed: apply ``on_unknown_outcome``."""
         if idem.on_unknown_outcome == "release":
-            await self._settle(self.store.release(claim), "release")
+            await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
         elif idem.on_unknown_outcome == "store":
-            await self._complete(claim, answer, idem)
+            return await self._complete(claim, answer, idem)
         # keep_lease: the record stays in flight; after the lease a retry takes it over.
+        return None
 
-    async def _complete(self, claim: Claim, stored: StoredResponse, idem: IdempotencyConfig) -> None:
-        done = await self._settle(self.store.complete(claim, stored, ttl=idem.ttl), "complete")
-        if done is False:
-            log.warning("completion refused: the lease was taken over (tenant %s key %s)",
-                        short_hash(claim.record.tenant), short_hash(claim.record.key))
-
-    async def _settle(self, operation: Awaitable[bool], name: str) -> bool | None:
-        """Run a store write after the upstream answered. If the store is down now, the client still
-        gets the upstream's answer (it was executed); the record keeps its lease and runs out."""
-        try:
-            return await operation
-        except StoreUnavailable:
-            log.error("store unavailable during %s; the record keeps its lease until it runs out", name)
+    async def _complete(
+        self, claim: Claim, stored: StoredResponse, idem: IdempotencyConfig
+    ) -> web.Response | None:
+        """Store the answer before anyone sees it. None: stored, send it. A response: the completion was
+        refused (taken over or released meanwhile) and this is what the record says instead."""
+        size = len(stored.body or b"") + sum(len(k) + len(v) for k, v in stored.headers)
+        landed = await self.settler.complete(
+            lambda: self.store.complete(claim, stored, ttl=idem.ttl),
+            size=size, wait=idem.settle_timeout, give_up_after=idem.ttl,
+        )
+        if landed:
             return None
+        tenant, key = short_hash(claim.record.tenant), short_hash(claim.record.key)
+        if landed is None:
+            log.error("store still unavailable after settle_timeout; answering 503 (tenant %s key %s), "
+                      "the completion goes on in the background", tenant, key)
+            raise StoreUnavailable(
+                "The request was forwarded, but its answer could not be stored yet; retry with the same "
+                "idempotency key to get it once the store is back.",
+                forwarded=True,
+            )
+        log.warning("completion refused: the key was taken over or released (tenant %s key %s)", tenant, key)
+        return await self._record_says(claim, idem)
+
+    async def _record_says(self, claim: Claim, idem: IdempotencyConfig) -> web.Response:
+        """After a refused completion: the record's answer now (replay, 422 or 409; ``wait`` mode waits for
+        an in-flight owner). Never a second forward: this request already executed once."""
+        tenant, key, fp = claim.record.tenant, claim.record.key, claim.record.fingerprint
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (idem.wait_timeout if idem.in_flight == "wait" else 0.0)
+        ex = _Exchange()
+        while True:
+            with self.store.watch(tenant, key) as changed:
+                try:
+                    record = await self.store.get(tenant, key)
+                except StoreUnavailable:
+                    raise StoreUnavailable("The request was forwarded, but the store is unavailable.",
+                                           forwarded=True) from None
+                now = time.time()
+                remaining = deadline - loop.time()
+                if record is None or record.expired(now):
+                    raise InFlight("A request with this idempotency key was released while being "
+                                   "processed; retry later.", lease_expires_in=0)
+                if record.state is State.COMPLETED or record.fingerprint != fp or remaining <= 0:
+                    return self._answer_record(record, fp, idem, now, ex)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed, remaining)
+
+    @staticmethod
+    def _lease_end(claim: Claim) -> float:
+        """When the claim's lease runs out, on this process's monotonic clock."""
+        return time.monotonic() + claim.lease_left()
 
     # ------------------------------------------------------------------ fail open
 
@@ -450,9 +555,11 @@ def problem_response(problem: Problem) -> StoredResponse:
     )
 
 
-def _release_upstream(task: asyncio.Task[_Forwarded]) -> None:
+def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:
     if not task.cancelled() and task.exception() is None:
-        task.result().upstream.release()
+        result = task.result()
+        if isinstance(result, _Forwarded):
+            result.upstream.release()
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

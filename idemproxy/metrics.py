@@ -61,6 +61,17 @@ class Metrics:
             "idemproxy_lease_takeovers", "In-flight records taken over after their lease ran out",
             registry=r,
         )
+        self.settle_retries = Counter(
+            "idemproxy_settle_retries", "Completions and releases retried because the store failed after the forward",
+            ["operation"], registry=r,
+        )
+        self.pending_settles = Gauge(
+            "idemproxy_pending_settles", "Completions and releases waiting for the store to come back",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.settles_dropped = Counter(
+            "idemproxy_settles_dropped", "Pending completions or releases dropped (bound or shutdown)", registry=r,
+        )
         self.records_expired = Counter(
             "idemproxy_records_expired", "Records removed or replaced after their TTL", registry=r,
         )

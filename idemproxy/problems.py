@@ -1,8 +1,10 @@
 """Every error the proxy answers by itself, and the one place that renders them (RFC 9457).
 
     Problem                        (status, code, title; rendered as application/problem+json)
+    ├── BadRequest                 400 bad_request        (a request target no upstream URL can be made of)
     ├── MissingKey                 400 missing_key
     ├── InvalidKey                 400 invalid_key
+    │   └── StoreRejected          400 invalid_key        (a value the store refuses to index: never "unavailable")
     ├── MissingTenant              401 missing_tenant
     ├── Unauthorized               401 unauthorized       (admin API: wrong or missing bearer token)
     ├── RecordNotFound             404 not_found          (admin API)
@@ -12,7 +14,7 @@
     ├── UpstreamUnreachable        502 upstream_unreachable
     ├── UpstreamReset              502 upstream_reset
     ├── ResponseNotReplayable      502 response_not_replayable (+ original_status)
-    ├── StoreUnavailable           503 store_unavailable
+    ├── StoreUnavailable           503 store_unavailable  + Retry-After (+ forwarded: true after the forward)
     └── UpstreamTimeout            504 upstream_timeout
 
 Stores raise ``StoreUnavailable`` (translated from driver errors at their boundary); the engine and the
@@ -70,12 +72,23 @@ class Problem(Exception):
         )
 
 
+class BadRequest(Problem):
+    status, code, title, outcome = 400, "bad_request", "Bad request", "invalid_key"
+
+
 class MissingKey(Problem):
     status, code, title, outcome = 400, "missing_key", "Idempotency key required", "missing_key"
 
 
 class InvalidKey(Problem):
     status, code, title, outcome = 400, "invalid_key", "Invalid idempotency key", "invalid_key"
+
+
+class StoreRejected(InvalidKey):
+    """The store refused the key or tenant as data (too long to index, say): a permanent error, so never
+    treated as "store unavailable" (that would answer 503 forever, or forward unguarded with fail_open)."""
+
+    title = "Idempotency key cannot be stored"
 
 
 class MissingTenant(Problem):
@@ -132,6 +145,10 @@ class ResponseNotReplayable(Problem):
 
 class StoreUnavailable(Problem):
     status, code, title, outcome = 503, "store_unavailable", "Idempotency store unavailable", "store_error"
+
+    def __init__(self, detail: str, **extensions: Any) -> None:
+        super().__init__(detail, **extensions)
+        self.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -16,7 +16,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from idemproxy.config import UpstreamConfig
-from idemproxy.problems import UpstreamReset, UpstreamTimeout, UpstreamUnreachable
+from idemproxy.problems import BadRequest, UpstreamReset, UpstreamTimeout, UpstreamUnreachable
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -60,6 +60,21 @@ def upstream_request_headers(request: web.Request, drop: Iterable[str] = ()) -> 
     return headers
 
 
+def request_target(request: web.Request) -> str:
+    """Path and query exactly as the client sent them; an absolute-form target (``POST http://host/x``,
+    RFC 9112 §3.2.2) means its path and query. Anything else (``*``, authority-form) is a 400."""
+    raw = request.raw_path
+    if raw.startswith("/"):
+        return raw
+    try:
+        url = URL(raw, encoded=True)
+    except ValueError:
+        url = URL()
+    if not url.is_absolute() or not url.raw_path.startswith("/"):
+        raise BadRequest("The request target must be a path (or an absolute URL).")
+    return url.raw_path_qs
+
+
 def client_response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
     # Content-Length is set again by whoever writes the body.
     return filter_headers(upstream.headers, drop={"content-length"})
@@ -76,6 +91,8 @@ def upstream_errors() -> Any:
         yield
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
         raise UpstreamUnreachable("The upstream could not be reached; nothing was sent.") from exc
+    except aiohttp.InvalidURL as exc:  # refused before anything was sent
+        raise BadRequest("The request target cannot be forwarded.") from exc
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         raise UpstreamTimeout("The upstream did not answer in time.") from exc
     except (aiohttp.ClientError, OSError) as exc:
@@ -92,7 +109,7 @@ class Upstream:
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.config.max_connections, ttl_dns_cache=60)
-        self._session = aiohttp.ClientSession(
+        session = self._session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # bytes pass through as the upstream encoded them
             timeout=aiohttp.ClientTimeout(
@@ -101,6 +118,12 @@ class Upstream:
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must never keep or replay cookies itself
         )
+        # aiohttp resends PUT/DELETE/GET/HEAD/OPTIONS once when a pooled connection drops: the upstream may have
+        # executed the first one (guarantee 6, RFC 9110 §9.2.2). No public switch exists; fail loudly if the
+        # private one goes away rather than retry silently.
+        if not hasattr(session, "_retry_connection"):
+            raise RuntimeError("this aiohttp version cannot turn off client retries; pin aiohttp<3.15")
+        session._retry_connection = False
 
     async def close(self) -> None:
         if self._session is not None:
@@ -112,8 +135,11 @@ class Upstream:
         return self._session
 
     def url(self, request: web.Request) -> URL:
-        # raw_path is the request target exactly as the client sent it: path and query byte for byte.
-        return URL(self.base + request.raw_path, encoded=True)
+        # The request target exactly as the client sent it: path and query byte for byte.
+        try:
+            return URL(self.base + request_target(request), encoded=True)
+        except ValueError as exc:
+            raise BadRequest("The request target cannot be forwarded.") from exc
 
     async def send(
         self, request: web.Request, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None
@@ -171,13 +197,18 @@ async def stream_response(
 
 
 async def read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
-    """Read the body up to ``limit`` bytes; returns (bytes, complete)."""
+    """Read the body up to ``limit`` bytes; returns (bytes, complete). A read that fails (timeout, reset)
+    closes the response: a half-read connection must never go back to the pool."""
     parts: list[bytes] = []
     size = 0
-    while size <= limit:
-        chunk = await upstream.content.read(min(CHUNK, limit + 1 - size))
-        if not chunk:
-            return b"".join(parts), True
-        parts.append(chunk)
-        size += len(chunk)
+    try:
+        while size <= limit:
+            chunk = await upstream.content.read(min(CHUNK, limit + 1 - size))
+            if not chunk:
+                return b"".join(parts), True
+            parts.append(chunk)
+            size += len(chunk)
+    except BaseException:
+        upstream.close()
+        raise
     return b"".join(parts), False

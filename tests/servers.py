@@ -147,8 +147,9 @@ class PostgresServer:
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "-t", "60",
                   "start")
 
-    def stop(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+    def stop(self, mode: str = "immediate") -> None:
+        """immediate: a crash as the clients see it; fast: an orderly shutdown that ends every session."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
 
     def running(self) -> bool:
         result = subprocess.run([str(self.bin / "pg_ctl"), "-D", str(self.data), "status"],

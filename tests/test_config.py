@@ -87,6 +87,14 @@ def test_sizes(text: Any, size: int) -> None:
          "routes[0].prefix: 'v1/charges' must be a path starting with '/'"),
         ({"upstream": UP, "routes": [{"prefix": "/a", "lease": "10s"}]},
          "routes[0].lease: 10s must be longer than upstream.timeout"),
+        ({"upstream": {**UP, "timeout": "59s"}},  # no margin: the answer would be stored after the lease
+         "idempotency.lease: 60s must be longer than upstream.timeout (59s) by at least 2s"),
+        ({"upstream": UP, "idempotency": {"key_max_length": 3000}},  # PostgreSQL could not index it
+         "idempotency.key_max_length: 3000 is out of range (1..1024)"),
+        ({"upstream": UP, "idempotency": {"settle_timeout": "soon"}},
+         "idempotency.settle_timeout: 'soon' is not a duration"),
+        ({"upstream": UP, "storage": {"pending_settles": {"max_count": 0}}},
+         "storage.pending_settles.max_count: 0 is out of range"),
         ({"upstream": UP, "routes": [{"prefix": "/a", "colour": "red"}]},
          "routes[0].colour: unknown key"),
         ({"upstream": UP, "storage": {"redis": {"url": "redis://h:6379/0"}}},

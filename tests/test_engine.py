@@ -361,7 +361,7 @@ async def test_client_disconnect_does_not_stop_execution_or_store(
 async def test_lease_takeover_after_the_lease_runs_out(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    proxy = await make_proxy(upstream={"timeout": "200ms"}, idempotency={"lease": "1500ms"})
+    proxy = await make_proxy(upstream={"timeout": "200ms"}, idempotency={"lease": "2200ms"})
     resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE, headers={"X-Test-Delay": "2"})
     assert resp.status == 504  # outcome unknown: the lease is kept
     resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE)
@@ -380,7 +380,7 @@ async def test_ttl_expiry_makes_the_key_usable_again(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
     proxy = await make_proxy(upstream={"timeout": "100ms"},
-                             idempotency={"lease": "200ms", "ttl": "1s"})
+                             idempotency={"lease": "2100ms", "ttl": "2100ms"})
     await proxy.post("/v1/charges", key="ttl", body=CHARGE)
     resp, _ = await proxy.post("/v1/charges", key="ttl", body={"different": True})
     assert resp.status == 422
@@ -413,7 +413,7 @@ async def test_metrics_label_routes_and_outcomes(make_proxy: ProxyFactory, upstr
 
 
 async def test_sweeper_counts_removed_records(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
-    proxy = await make_proxy(upstream={"timeout": "100ms"}, idempotency={"lease": "200ms", "ttl": "300ms"})
+    proxy = await make_proxy(upstream={"timeout": "100ms"}, idempotency={"lease": "2100ms", "ttl": "2100ms"})
     for key in ("sw1", "sw2"):
         await proxy.post("/v1/charges", key=key, body=CHARGE)
     tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
@@ -423,3 +423,57 @@ async def test_sweeper_counts_removed_records(make_proxy: ProxyFactory, upstream
     assert await proxy.proxy.sweep_once() == 2
     assert await proxy.proxy.store.get(tenant, "sw1") is None
     assert "idemproxy_records_expired_total 2.0" in proxy.proxy.metrics.render().decode()
+
+
+# ------------------------------------------------------------------------------ review regressions
+
+
+async def test_admin_release_of_an_in_flight_key_the_owner_never_answers_its_unstored_result(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("postgres")
+    pending = asyncio.ensure_future(proxy.post("/v1/charges", key="rel", body=CHARGE,
+                                               headers={"X-Test-Delay": "0.5"}))
+    while upstream.count(key="rel") == 0:
+        await asyncio.sleep(0.005)
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    assert await proxy.proxy.store.forget(tenant, "rel")  # an operator released the stuck-looking key
+    resp, body = await pending
+    assert resp.status == 409 and problem(body)["code"] == "in_flight"  # its completion was refused
+    assert "Idempotent-Replayed" not in resp.headers
+
+
+async def test_forward_key_sends_the_key_as_the_proxy_understood_it(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded")
+    await proxy.post("/v1/charges", key='"order-7"', body=CHARGE)
+    resp, _ = await proxy.post("/v1/charges", key="order-7", body=CHARGE)
+    assert resp.headers["Idempotent-Replayed"] == "true"  # one key to the proxy ...
+    assert [e.headers["Idempotency-Key"] for e in upstream.executed] == ["order-7"]  # ... and to the upstream
+
+
+async def test_undecodable_tenant_bytes_are_hashed_not_a_500(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    from tests.test_proxy import raw_exchange
+
+    proxy = await make_proxy("embedded")
+    port = proxy.server.port
+    assert port is not None
+    head = ("POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: ff-1\r\nAuthorization: Bearer \udcff\r\n"
+            "Content-Length: 2\r\nConnection: close\r\n\r\n")
+    statuses = [(await raw_exchange(port, head, b"{}"))[0] for _ in range(2)]
+    assert statuses == [201, 201] and upstream.count(key="ff-1") == 1
+
+
+@pytest.mark.parametrize("backend", ["postgres", "embedded"])
+async def test_an_unhashed_tenant_too_long_to_index_is_refused_not_unavailable(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    proxy = await make_proxy(backend, tenant={"hash": False})
+    resp, body = await proxy.post("/v1/charges", key="long-tenant", body=CHARGE, tenant="x" * 3000)
+    assert resp.status == 401 and problem(body)["code"] == "missing_tenant"
+    ok, _ = await proxy.post("/v1/charges", key="long-tenant", body=CHARGE, tenant="y" * 1000)
+    assert ok.status == 201
+    assert upstream.count(key="long-tenant") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 
@@ -154,3 +155,64 @@ async def test_admin_endpoints(make_proxy: ProxyFactory) -> None:
         assert 'idemproxy_requests_total{method="GET",outcome="passthrough",route="other"} 1.0' in text
     finally:
         await admin.close()
+
+
+@pytest.mark.parametrize(("method", "key"), [("PUT", "put-1"), ("GET", None)])  # covered, and pass-through
+async def test_the_proxy_never_resends_a_request_the_upstream_may_have_executed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, method: str, key: str | None
+) -> None:
+    """aiohttp's client resends PUT/DELETE/GET once when a pooled connection drops; guarantee 6 forbids it."""
+    proxy = await make_proxy("embedded", idempotency={"methods": ["POST", "PUT"]})
+    await proxy.post("/warm", method="GET", tenant=None)  # leaves a pooled upstream connection to be reused
+    resp, body = await proxy.post("/v1/things/1", method=method, key=key, body=b"x" if key else None,
+                                  headers={"X-Test-Drop": "1"})
+    assert resp.status == 502, body  # the connection broke after sending: outcome unknown, not retried
+    assert upstream.count(path="/v1/things/1") == 1
+
+
+async def raw_exchange(port: int, head: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """Send bytes exactly as written (aiohttp's client cannot send these targets); read a Connection: close answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head.encode("latin-1", "surrogateescape") + body)
+        await writer.drain()
+        raw = await reader.read()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    status_line, _, rest = raw.partition(b"\r\n")
+    header_block, _, payload = rest.partition(b"\r\n\r\n")
+    headers = dict(line.decode().split(": ", 1) for line in header_block.split(b"\r\n") if line)
+    return int(status_line.split()[1]), headers, payload
+
+
+async def test_absolute_form_target_is_forwarded_as_its_path(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """RFC 9112 §3.2.2: a server accepts an absolute-form target; it means its path and query."""
+    proxy = await make_proxy("embedded")
+    body = b'{"amount": 1}'
+    head = ("POST http://api.example/v1/charges?x=1 HTTP/1.1\r\nHost: api.example\r\nIdempotency-Key: abs-1\r\n"
+            f"Authorization: Bearer t1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n")
+    port = proxy.server.port
+    assert port is not None
+    first = await raw_exchange(port, head, body)
+    again = await raw_exchange(port, head, body)
+    assert first[0] == again[0] == 201
+    assert (first[1]["Idempotent-Replayed"], again[1]["Idempotent-Replayed"]) == ("false", "true")
+    assert [e.path_qs for e in upstream.executed] == ["/v1/charges?x=1"]
+
+
+async def test_asterisk_target_is_a_problem_not_a_500(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy("embedded")
+    port = proxy.server.port
+    assert port is not None
+    for target in ("*", "api.example:443"):  # asterisk-form, authority-form: no path to forward
+        status, _, _ = await raw_exchange(port, f"OPTIONS {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert 400 <= status < 500
+    status, _, _ = await raw_exchange(
+        port, "POST * HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k\r\nAuthorization: Bearer t1\r\n"
+        "Content-Length: 0\r\nConnection: close\r\n\r\n")
+    assert 400 <= status < 500
+    assert upstream.executed == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -170,3 +171,37 @@ async def test_redis_subscriber_stops_by_itself_on_close(storage: StorageFactory
     assert task is not None
     await store.close()
     assert task.done() and not task.cancelled()
+
+
+async def test_a_value_postgresql_cannot_index_is_rejected_never_unavailable(storage: StorageFactory) -> None:
+    """A permanent data error must not become "store unavailable" (503 forever, or unguarded with fail_open)."""
+    from idemproxy.problems import StoreRejected, StoreUnavailable
+
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": storage("postgres")})
+    backend = build_store(config.storage)
+    await backend.open()
+    try:
+        with pytest.raises(StoreRejected) as refused:
+            # random text: a repeated character would be compressed below the btree limit
+            await backend.claim(secrets.token_urlsafe(3000), secrets.token_urlsafe(3000), FP, lease=30, ttl=60)
+        assert not isinstance(refused.value, StoreUnavailable)
+        assert (await backend.claim("t", "k", FP, lease=30, ttl=60)).owned  # the pool is fine afterwards
+    finally:
+        await backend.close()
+
+
+async def test_embedded_leases_ignore_wall_clock_steps(
+    storage: StorageFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": storage("embedded")})
+    backend = build_store(config.storage)
+    await backend.open()
+    try:
+        first = await backend.claim("t", "k", FP, lease=30, ttl=60)
+        assert first.owned
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 3600)  # NTP steps the clock an hour ahead
+        again = await backend.claim("t", "k", FP, lease=30, ttl=60)
+        assert not again.owned, "a live lease was taken over because the wall clock jumped"
+    finally:
+        await backend.close()

@@ -76,6 +76,17 @@ class Claim:
     now: float  # the store's clock when it decided (lease and expiry are judged against it)
     took_over: bool = False  # owned by taking over an in-flight record whose lease ran out
     replaced_expired: bool = False  # owned by replacing a record whose TTL had passed
+    cache_epoch: str | None = None  # a cache in front of the durable store: what it read first (redis.py)
+    # This process's monotonic clock when the answer arrived: lease deadlines are computed from it, never
+    # from the wall clock, so a clock step cannot stretch a background retry past the lease.
+    received: float = field(default_factory=time.monotonic, compare=False)
+
+    def lease_left(self) -> float:
+        """Seconds until the lease runs out, measured on this process's monotonic clock."""
+        expires = self.record.lease_expires_at
+        if expires is None:
+            return 0.0
+        return expires - self.now - (time.monotonic() - self.received)
 
     @property
     def token(self) -> str:
@@ -120,6 +131,13 @@ class Watchers:
         for future in self._waiting.get((tenant, key), ()):
             if not future.done():
                 future.set_result(None)
+
+    def notify_all(self) -> None:
+        """Wake every waiter (notifications may have been missed, e.g. while LISTEN was reconnecting)."""
+        for waiting in self._waiting.values():
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)
 
 
 @dataclass
@@ -188,6 +206,10 @@ class Store(ABC):
     @abstractmethod
     async def health(self) -> Health:
         """Ask the backend whether it answers."""
+
+    async def clock(self) -> float:
+        """The store's clock (epoch seconds), against which leases and expiry are judged."""
+        return time.time()
 
     @contextlib.contextmanager
     def watch(self, tenant: str, key: str) -> Iterator[asyncio.Future[None]]:

@@ -71,6 +71,17 @@ class EmbeddedStore(Store):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idemproxy-sqlite")
         self._db: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
+        # Leases are timed on the monotonic clock, anchored to the wall clock once at start: a wall-clock step
+        # while running can neither shorten a live lease (an early takeover) nor stretch it. Across a restart
+        # the anchor is read again, as it must be for records kept on disk.
+        self._wall0 = time.time()
+        self._mono0 = time.monotonic()
+
+    def _now(self) -> float:
+        return self._wall0 + (time.monotonic() - self._mono0)
+
+    async def clock(self) -> float:
+        return self._now()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -152,7 +163,7 @@ class EmbeddedStore(Store):
         token = token or new_token()
 
         def claim(db: sqlite3.Connection) -> Claim:
-            now = time.time()
+            now = self._now()
             row = db.execute(f"SELECT {_COLUMNS} FROM records WHERE tenant=? AND key=?",
                              (tenant, key)).fetchone()
             current = _record(row) if row is not None else None
@@ -186,7 +197,7 @@ class EmbeddedStore(Store):
         headers = json.dumps([list(pair) for pair in response.headers])
 
         def complete(db: sqlite3.Connection) -> bool:
-            now = time.time()
+            now = self._now()
             cursor = db.execute(
                 "UPDATE records SET state='completed', status=?, headers=?, body=?, body_stored=?, "
                 "completed_at=?, expires_at=?, lease_token=NULL, lease_expires_at=NULL "
@@ -229,7 +240,7 @@ class EmbeddedStore(Store):
 
     async def sweep(self, limit: int) -> int:
         def sweep(db: sqlite3.Connection) -> int:
-            now = time.time()
+            now = self._now()
             cursor = db.execute(
                 "DELETE FROM records WHERE rowid IN (SELECT rowid FROM records WHERE expires_at <= ? "
                 "AND NOT (state='in_flight' AND lease_expires_at > ?) LIMIT ?)",

@@ -14,7 +14,7 @@ import asyncpg
 
 from idemproxy.config import PostgresConfig
 from idemproxy.metrics import Metrics
-from idemproxy.problems import StoreUnavailable
+from idemproxy.problems import StoreRejected, StoreUnavailable
 from idemproxy.store.base import Claim, Health, Record, State, Store, StoredResponse, new_token
 
 log = logging.getLogger("idemproxy.store.postgres")
@@ -113,6 +113,9 @@ DELETE FROM {TABLE} WHERE ctid IN (
 """
 
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
+# The request's own data was refused (a value too long to index, say): permanent, so never "unavailable".
+_DATA_ERRORS = (asyncpg.DataError, asyncpg.ProgramLimitExceededError)
+LISTEN_RETRY = 1.0  # seconds between attempts to re-establish LISTEN after its connection was lost
 
 
 async def _no_reset(_conn: Any) -> None:
@@ -142,6 +145,21 @@ def _record(row: Any) -> Record:
         completed_at=_epoch(row["completed_at"]),
         expires_at=row["expires_at"].timestamp(),
     )
+
+
+def _unavailable(operation: str, exc: BaseException) -> StoreUnavailable:
+    log.warning("postgres %s failed: %s: %s", operation, type(exc).__name__, exc)
+    return StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.")
+
+
+async def _first(*waits: Any) -> None:
+    """Wait until the first of several awaitables finishes; cancel the rest."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def migrate(conn: Any) -> list[int]:
@@ -193,6 +211,8 @@ class PostgresStore(Store):
         self.listen = listen  # LISTEN/NOTIFY wakes `wait` mode when no Redis carries notifications
         self._pool: Any = None
         self._listener: Any = None
+        self._listen_task: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
         self.statements = 0  # statements sent, for diagnostics and the round-trip budget tests
 
     async def _init_connection(self, conn: Any) -> None:
@@ -215,40 +235,81 @@ class PostgresStore(Store):
             async with self._pool.acquire() as conn:
                 await migrate(conn)
         if self.listen:
-            await self._start_listener()
+            self._listen_task = asyncio.create_task(self._keep_listening(), name="idemproxy-pg-listen")
 
     async def close(self) -> None:
-        if self._listener is not None:
-            with contextlib.suppress(*_DB_ERRORS):
-                await self._listener.close(timeout=2)
+        self._closing.set()
+        if self._listen_task is not None:
+            await asyncio.wait({self._listen_task}, timeout=3)
+            self._listen_task.cancel()
         if self._pool is not None:
             try:
                 await asyncio.wait_for(self._pool.close(), timeout=5)
             except _DB_ERRORS:
                 self._pool.terminate()  # connections still busy after 5 s are cut, not waited for
 
-    async def _start_listener(self) -> None:
+    async def _keep_listening(self) -> None:
+        """Hold a LISTEN connection; re-establish it whenever it is lost (a PostgreSQL restart, a cut), and
+        wake every waiter then, since notifications sent meanwhile were missed."""
+        while not self._closing.is_set():
+            try:
+                conn = await asyncpg.connect(self.config.dsn.reveal(), timeout=OPERATION_TIMEOUT)
+            except _DB_ERRORS as exc:
+                log.warning("LISTEN connection failed (%s); wait mode falls back to its deadline until it is "
+                            "back", type(exc).__name__)
+            else:
+                await self._listen_on(conn)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), LISTEN_RETRY)
+
+    async def _listen_on(self, conn: Any) -> None:
+        lost = asyncio.Event()
+        conn.add_termination_listener(lambda _conn: lost.set())
+        self._listener = conn
         try:
-            self._listener = await asyncpg.connect(self.config.dsn.reveal(), timeout=OPERATION_TIMEOUT)
-            await self._listener.add_listener(NOTIFY_CHANNEL, self._on_notify)
-        except _DB_ERRORS as exc:  # waiters still re-check at their deadline
-            log.warning("LISTEN connection failed (%s); wait mode falls back to its deadline",
-                        type(exc).__name__)
+            await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+            self.watchers.notify_all()  # anything that changed while we were not listening
+            await _first(lost.wait(), self._closing.wait())
+        except _DB_ERRORS as exc:
+            log.warning("LISTEN failed (%s)", type(exc).__name__)
+        finally:
             self._listener = None
+            with contextlib.suppress(*_DB_ERRORS):
+                await asyncio.wait_for(conn.close(timeout=2), 3)
+        if not self._closing.is_set():
+            log.warning("LISTEN connection lost; re-establishing it")
 
     def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         self.watchers.notify_message(payload)
 
     @contextlib.asynccontextmanager
     async def _conn(self, operation: str) -> AsyncIterator[Any]:
-        """A pooled connection, with every driver error translated to StoreUnavailable."""
+        """A pooled connection. Every failure is translated here: the request's own data refused →
+        StoreRejected; anything else the driver or the server can do (refused or dropped connections, timeouts,
+        shutdown, an exhausted pool, a protocol state error) → StoreUnavailable. A connection interrupted in the
+        middle of an operation (error, timeout or cancellation) is terminated, never handed out again: a
+        pooled connection with an operation still pending fails the next user with "another operation is in
+        progress"."""
         async with self.measured(operation):
             try:
-                async with self._pool.acquire(timeout=OPERATION_TIMEOUT) as conn:
-                    yield conn
-            except _DB_ERRORS as exc:
-                log.warning("postgres %s failed: %s: %s", operation, type(exc).__name__, exc)
-                raise StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.") from exc
+                conn = await self._pool.acquire(timeout=OPERATION_TIMEOUT)
+            except Exception as exc:
+                raise _unavailable(operation, exc) from exc
+            try:
+                yield conn
+            except BaseException as exc:
+                # asyncpg may already have taken back a connection closed mid-operation: then terminate() on
+                # our handle refuses, and the connection is gone anyway.
+                with contextlib.suppress(Exception):
+                    conn.terminate()
+                if isinstance(exc, _DATA_ERRORS):
+                    raise StoreRejected("The idempotency key or tenant cannot be stored.") from exc
+                if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
+                    raise _unavailable(operation, exc) from exc
+                raise
+            finally:
+                with contextlib.suppress(Exception):
+                    await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
 
     async def _change(self, operation: str, statement: str, *args: Any) -> bool:
         """Run a fenced write; True when it changed the record (and then woke LISTENing waiters)."""
@@ -305,6 +366,10 @@ class PostgresStore(Store):
                 return 0
             result = await conn.execute(_SWEEP, limit)
         return int(result.split()[-1])
+
+    async def clock(self) -> float:
+        async with self._conn("clock") as conn:
+            return float(await conn.fetchval("SELECT extract(epoch FROM now())"))
 
     async def health(self) -> Health:
         try:

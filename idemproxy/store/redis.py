@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from idemproxy.config import RedisConfig
 from idemproxy.metrics import Metrics
+from idemproxy.problems import StoreUnavailable
 from idemproxy.store.base import (
     Claim,
     Health,
@@ -42,41 +43,57 @@ log = logging.getLogger("idemproxy.store.redis")
 SOCKET_TIMEOUT = 0.5  # seconds: Redis is the fast path; slower than this, PostgreSQL answers instead
 BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
 CLOSE_TIMEOUT = 2.0  # seconds any one shutdown step may take
+EPOCH_MIN_TTL = 24 * 3600.0  # an epoch outlives any completion that could still race the release it marks
 SUBSCRIBER_READ_TIMEOUT = 1.0  # how often the subscriber looks up from its socket to see if it should stop
 
-# KEYS: lock, response. ARGV: "token fingerprint", lease in ms.
-# Returns {"completed", payload} | {"in_flight", lock value, pttl} | {"acquired"}.
+# Per (tenant, key) Redis holds a lock, a replay-cache entry and an epoch. The epoch is a random value an admin
+# release (forget) renews: a cache write carries the epoch its writer read *before* it read the durable store,
+# and lands only if the epoch is unchanged, so no completion or refill that raced a release can bring a released
+# record back into the cache.
+#
+# KEYS: lock, response, epoch. ARGV: "token fingerprint", lease in ms.
+# Returns {"completed", payload} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
 _CLAIM = """
 local cached = redis.call('GET', KEYS[2])
 if cached then return {'completed', cached} end
+local epoch = redis.call('GET', KEYS[3]) or ''
 local lock = redis.call('GET', KEYS[1])
-if lock then return {'in_flight', lock, redis.call('PTTL', KEYS[1])} end
+if lock then return {'in_flight', lock, redis.call('PTTL', KEYS[1]), epoch} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return {'acquired'}
+return {'acquired', epoch}
 """
-# KEYS: lock, response. ARGV: token, payload ('' = do not cache), cache ttl ms, channel, message.
-# Drops the lock only if it is still ours; wakes waiters everywhere.
+# KEYS: lock, response, epoch. ARGV: token, payload ('' = do not cache), cache ttl ms, channel, message,
+# epoch seen, publish ('1'/'0'), replacement lock value ('' = delete the lock), its ttl ms.
+# Caches the payload if the epoch is unchanged; if the lock is still ours, drops it (or hands it to the owner the
+# durable store named); wakes waiters everywhere only when something changed.
 _SETTLE = """
-if ARGV[2] ~= '' then redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3]) end
+if ARGV[2] ~= '' and (redis.call('GET', KEYS[3]) or '') == ARGV[6] then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+end
 local lock = redis.call('GET', KEYS[1])
-if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
-redis.call('PUBLISH', ARGV[4], ARGV[5])
+if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
+  if ARGV[8] ~= '' then redis.call('SET', KEYS[1], ARGV[8], 'PX', ARGV[9]) else redis.call('DEL', KEYS[1]) end
+end
+if ARGV[7] == '1' then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
 return 1
 """
-# KEYS: lock, response. ARGV: channel, message.
+# KEYS: lock, response, epoch. ARGV: channel, message, new epoch, epoch ttl ms.
 _FORGET = """
 redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
 """
+UNKNOWN_EPOCH = "?"  # never equals a stored epoch: a writer that never read one may not fill the cache
 
 _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 @dataclass(frozen=True)
 class _Fast:
-    kind: str  # completed | in_flight | acquired
+    kind: str  # completed | in_flight | acquired | foreign (a lock with another fingerprint: ask the durable store)
     record: Record | None = None
+    epoch: str = UNKNOWN_EPOCH
 
 
 def _encode(record: Record) -> bytes:
@@ -175,9 +192,9 @@ class RedisFrontedStore(Store):
 
     def _keys(self, tenant: str, key: str) -> list[str]:
         # The tag is a digest: raw keys never appear in Redis, and a '}' in a key cannot split the slot.
-        tag = hashlib.sha256(self.watchers.message(tenant, key).encode()).hexdigest()[:32]
+        tag = hashlib.sha256(self.watchers.message(tenant, key).encode("utf-8", "surrogateescape")).hexdigest()[:32]
         prefix = self.config.key_prefix
-        return [f"{prefix}{{{tag}}}:lock", f"{prefix}{{{tag}}}:resp"]
+        return [f"{prefix}{{{tag}}}:lock", f"{prefix}{{{tag}}}:resp", f"{prefix}{{{tag}}}:epoch"]
 
     @contextlib.asynccontextmanager
     async def _fast(self, operation: str) -> AsyncIterator[list[bool]]:
@@ -221,18 +238,23 @@ class RedisFrontedStore(Store):
                     keys=self._keys(tenant, key), args=[f"{token} {fingerprint}", int(lease * 1000)]
                 )
                 kind = reply[0].decode()
-                if kind == "completed":
+                if kind == "completed":  # written only after the durable store completed: authoritative
                     return _Fast(kind, _decode(tenant, key, reply[1]))
-                if kind == "in_flight":
-                    _, lock_fp = reply[1].decode().split(" ", 1)
-                    now = time.time()
-                    pttl = max(int(reply[2]), 0) / 1000
-                    return _Fast(kind, Record(
-                        tenant=tenant, key=key, fingerprint=lock_fp, state=State.IN_FLIGHT,
-                        lease_token=None, lease_expires_at=now + pttl, response=None,
-                        created_at=now, completed_at=None, expires_at=now + pttl,
-                    ))
-                return _Fast("acquired")
+                if kind == "acquired":
+                    return _Fast(kind, epoch=reply[1].decode())
+                _, lock_fp = reply[1].decode().split(" ", 1)
+                if lock_fp != fingerprint:
+                    # The lock names the fingerprint of whoever took it, before the durable store decided: only
+                    # the durable record may answer 422 (the lock holder may be a wrong payload about to be
+                    # refused, while this request is the genuine retry of a completed record).
+                    return _Fast("foreign", epoch=reply[3].decode())
+                now = time.time()
+                pttl = max(int(reply[2]), 0) / 1000
+                return _Fast(kind, Record(
+                    tenant=tenant, key=key, fingerprint=lock_fp, state=State.IN_FLIGHT,
+                    lease_token=None, lease_expires_at=now + pttl, response=None,
+                    created_at=now, completed_at=None, expires_at=now + pttl,
+                ))
         return None
 
     async def claim(
@@ -243,31 +265,52 @@ class RedisFrontedStore(Store):
         fast = await self._fast_claim(tenant, key, fingerprint, token, lease)
         if fast is not None and fast.record is not None:
             return Claim(record=fast.record, owned=False, now=time.time())
-        # Redis granted the lock, or could not answer: the durable store decides (guarantee 4).
+        # Redis granted the lock, could not answer, or named another fingerprint: the durable store decides
+        # (guarantee 4).
+        locked = fast is not None and fast.kind == "acquired"
+        epoch = fast.epoch if fast is not None else UNKNOWN_EPOCH
         try:
             claim = await self.durable.claim(
                 tenant, key, fingerprint, lease=lease, ttl=ttl, token=token
             )
         except BaseException:
-            if fast is not None:
-                await self._settle(tenant, key, token, b"", 0)
+            if locked:  # nothing changed anywhere: drop our lock quietly (no wake-up for anyone)
+                await self._settle(tenant, key, token, publish=False)
             raise
-        if fast is not None and not claim.owned:
-            # Redis had lost what the durable store knows (restart, eviction): drop our lock and, for a
-            # completed record, refill the replay cache so the next retry is fast again.
-            record = claim.record
-            payload = _encode(record) if record.state is State.COMPLETED else b""
-            await self._settle(tenant, key, token, payload, record.expires_at - claim.now)
+        if claim.owned:
+            return replace(claim, cache_epoch=epoch)
+        if fast is not None:
+            await self._repair(tenant, key, token, epoch, claim, locked)
         return claim
 
-    async def _settle(self, tenant: str, key: str, token: str, payload: bytes, ttl: float) -> None:
-        """Cache ``payload`` (if any), drop the lock if ``token`` holds it, and wake waiters."""
+    async def _repair(self, tenant: str, key: str, token: str, epoch: str, claim: Claim, locked: bool) -> None:
+        """Redis had lost what the durable store knows (restart, eviction, expired cache): refill the replay
+        cache for a completed record, or hand our lock to the in-flight owner so duplicates are answered by
+        Redis again. No publish: nothing changed, and a wake-up here would make a waiter spin."""
+        record = claim.record
+        if record.state is State.COMPLETED:
+            await self._settle(tenant, key, token, payload=_encode(record), ttl=record.expires_at - claim.now,
+                               epoch=epoch, publish=False)
+        elif locked:
+            lease_ms = int(((record.lease_expires_at or claim.now) - claim.now) * 1000)
+            owner = f"{record.lease_token or '-'} {record.fingerprint}"
+            await self._settle(tenant, key, token, publish=False,
+                               hand_over=(owner, lease_ms) if lease_ms > 0 else None)
+
+    async def _settle(
+        self, tenant: str, key: str, token: str, *, payload: bytes = b"", ttl: float = 0.0,
+        epoch: str = UNKNOWN_EPOCH, publish: bool = True, hand_over: tuple[str, int] | None = None,
+    ) -> None:
+        """Cache ``payload`` (if any, and only if the epoch is still ``epoch``), drop the lock if ``token``
+        holds it (or hand it over), and wake waiters when ``publish``."""
         cache_ms = max(1, int(min(self.config.replay_cache_ttl, ttl) * 1000))
+        new_lock, new_lock_ms = hand_over if hand_over is not None else ("", 0)
         async with self._fast("settle") as usable:
             if usable[0]:
                 await self._settle_script(
                     keys=self._keys(tenant, key),
-                    args=[token, payload, cache_ms, self.channel, self.watchers.message(tenant, key)],
+                    args=[token, payload, cache_ms, self.channel, self.watchers.message(tenant, key), epoch,
+                          "1" if publish else "0", new_lock, new_lock_ms],
                 )
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
@@ -279,25 +322,47 @@ class RedisFrontedStore(Store):
                 claim.record, state=State.COMPLETED, lease_token=None, lease_expires_at=None,
                 response=response, completed_at=now, expires_at=now + ttl,
             ))
-        await self._settle(claim.record.tenant, claim.record.key, claim.token, payload, ttl)
+        await self._settle(claim.record.tenant, claim.record.key, claim.token, payload=payload, ttl=ttl,
+                           epoch=UNKNOWN_EPOCH if claim.cache_epoch is None else claim.cache_epoch)
         return done
 
     async def release(self, claim: Claim) -> bool:
         done = await self.durable.release(claim)
-        await self._settle(claim.record.tenant, claim.record.key, claim.token, b"", 0)
+        await self._settle(claim.record.tenant, claim.record.key, claim.token)
         return done
 
     async def get(self, tenant: str, key: str) -> Record | None:
         return await self.durable.get(tenant, key)
 
     async def forget(self, tenant: str, key: str) -> bool:
+        """Purge Redis, delete the durable record, purge Redis again (renewing the epoch each time).
+
+        When this returns, no replay of the record can come from Redis: a completion or cache refill that read
+        the record before the delete carries an older epoch and is refused. Redis must answer both purges
+        (the breaker is bypassed): if it cannot, the release fails with 503 rather than report a release that a
+        stale cache entry could still contradict.
+        """
+        await self._purge(tenant, key)
         done = await self.durable.forget(tenant, key)
-        async with self._fast("forget") as usable:
-            if usable[0]:
-                await self._forget_script(
-                    keys=self._keys(tenant, key), args=[self.channel, self.watchers.message(tenant, key)]
-                )
+        await self._purge(tenant, key)
         return done
+
+    async def _purge(self, tenant: str, key: str) -> None:
+        epoch_ms = int(max(self.config.replay_cache_ttl, EPOCH_MIN_TTL) * 1000)
+        try:
+            await self._forget_script(
+                keys=self._keys(tenant, key),
+                args=[self.channel, self.watchers.message(tenant, key), new_token(), epoch_ms],
+            )
+        except _ERRORS as exc:
+            if self.metrics is not None:
+                self.metrics.store_errors.labels("redis", "forget").inc()
+            raise StoreUnavailable(
+                "Redis could not be cleared; retry the release when it answers again."
+            ) from exc
+
+    async def clock(self) -> float:
+        return await self.durable.clock()
 
     async def sweep(self, limit: int) -> int:
         return await self.durable.sweep(limit)  # Redis entries expire by their own TTL

@@ -1,0 +1,153 @@
+"""Settling a record after the forward while the store may be failing (CONTRACT "When the store fails after
+the forward").
+
+The engine decides *what* happens to a record once the upstream answered (complete it, or release it); this
+module makes it happen through a store outage:
+
+- a **completion** is retried, fenced by the lease token, with jittered backoff (first retry within 100 ms,
+  then at most 500 ms apart). The caller waits up to ``settle_timeout`` for the verdict: landed, refused (the
+  key was taken over or released meanwhile), or still pending — then the retries go on in the background
+  until the completion lands or is refused, so a retry after the store returns is a replay, not a second
+  execution;
+- a **release** is tried once in line and, if the store failed, retried in the background until the lease
+  would run out anyway.
+
+Background work is bounded by count and bytes (the oldest is dropped beyond either bound, with an error log
+and a metric), survives no crash (a crash is a lease takeover), and is flushed on graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from idemproxy.config import PendingSettlesConfig
+from idemproxy.metrics import Metrics
+from idemproxy.problems import StoreUnavailable
+
+log = logging.getLogger("idemproxy.settle")
+
+FIRST_RETRY = 0.1  # seconds: the first retry comes within this
+MAX_RETRY_GAP = 0.5  # seconds: retries are never further apart than this
+
+Operation = Callable[[], Awaitable[bool]]
+
+
+def retry_delay(attempt: int) -> float:
+    """Jittered exponential backoff: attempt 1 waits 50-100 ms, the gap doubles up to 250-500 ms."""
+    ceiling = min(MAX_RETRY_GAP, FIRST_RETRY * 2 ** (attempt - 1))
+    return random.uniform(ceiling / 2, ceiling)  # jitter, not a secret
+
+
+@dataclass(eq=False)
+class _Job:
+    operation: str  # complete | release
+    run: Operation
+    size: int  # bytes held (the stored answer), for the bound
+    deadline: float  # time.monotonic() after which the retries stop
+    dropped: bool = False
+    task: asyncio.Task[bool | None] | None = field(default=None, repr=False)
+
+
+class Settler:
+    """Retries store writes that must land after the upstream answered."""
+
+    def __init__(self, metrics: Metrics, bounds: PendingSettlesConfig) -> None:
+        self.metrics = metrics
+        self.bounds = bounds
+        self._jobs: dict[_Job, None] = {}  # insertion-ordered: the oldest first
+        self._bytes = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._jobs)
+
+    async def complete(self, run: Operation, *, size: int, wait: float, give_up_after: float) -> bool | None:
+        """Run a fenced completion: True landed, False refused, None still failing after ``wait`` seconds
+        (the retries then go on in the background for up to ``give_up_after`` seconds)."""
+        try:
+            return await run()
+        except StoreUnavailable:
+            log.warning("store unavailable during complete; retrying for up to %gs", wait)
+        job = self._start("complete", run, size, time.monotonic() + give_up_after)
+        assert job.task is not None
+        done, _ = await asyncio.wait({job.task}, timeout=wait)
+        return job.task.result() if done else None
+
+    async def release(self, run: Operation, *, until: float) -> None:
+        """Release now; if the store fails, retry in the background until ``until`` (monotonic)."""
+        try:
+            await run()
+        except StoreUnavailable:
+            log.warning("store unavailable during release; retrying in the background")
+            self._start("release", run, 0, until)
+
+    def release_later(self, run: Operation, *, until: float) -> None:
+        """Release in the background only (the store just failed: trying now would wait on it again)."""
+        self._start("release", run, 0, until)
+
+    async def flush(self, timeout: float) -> None:
+        """At shutdown: let pending work land for up to ``timeout`` seconds, then drop what is left."""
+        tasks = {job.task for job in self._jobs if job.task is not None}
+        if not tasks:
+            return
+        log.info("flushing %d pending settles (up to %gs)", len(tasks), timeout)
+        _, left = await asyncio.wait(tasks, timeout=timeout)
+        if left:
+            for job in list(self._jobs):
+                self._drop(job, "shutdown")
+            await asyncio.wait(left, timeout=MAX_RETRY_GAP * 2)
+            for task in left:
+                task.cancel()  # an attempt stuck in the store past its own timeout
+
+    # ------------------------------------------------------------------ background jobs
+
+    def _start(self, operation: str, run: Operation, size: int, deadline: float) -> _Job:
+        job = _Job(operation, run, size, deadline)
+        self._jobs[job] = None
+        self._bytes += size
+        job.task = asyncio.get_running_loop().create_task(self._retry(job), name=f"idemproxy-settle-{operation}")
+        self.metrics.pending_settles.set(len(self._jobs))
+        while self._jobs and (len(self._jobs) > self.bounds.max_count or self._bytes > self.bounds.max_bytes):
+            self._drop(next(iter(self._jobs)), "bound")
+        return job
+
+    def _drop(self, job: _Job, why: str) -> None:
+        if job.dropped:
+            return
+        job.dropped = True
+        self._forget(job)
+        self.metrics.settles_dropped.inc()
+        log.error(
+            "dropped a pending %s (%s: %d pending, %d bytes; bounds %d, %d bytes): the record keeps its lease "
+            "and a retry takes the key over after it", job.operation, why, len(self._jobs), self._bytes,
+            self.bounds.max_count, self.bounds.max_bytes,
+        )
+
+    def _forget(self, job: _Job) -> None:
+        if self._jobs.pop(job, False) is None:
+            self._bytes -= job.size
+            self.metrics.pending_settles.set(len(self._jobs))
+
+    async def _retry(self, job: _Job) -> bool | None:
+        attempt = 0
+        try:
+            while True:
+                attempt += 1
+                await asyncio.sleep(retry_delay(attempt))
+                if job.dropped or time.monotonic() > job.deadline:
+                    return None
+                self.metrics.settle_retries.labels(job.operation).inc()
+                try:
+                    result = await job.run()
+                except StoreUnavailable:
+                    continue
+                log.warning("pending %s %s after %d retries", job.operation,
+                            "landed" if result else "refused (the key was taken over or released)", attempt)
+                return result
+        finally:
+            self._forget(job)

@@ -1,0 +1,205 @@
+"""A TCP relay a test can cut: the network between the proxies and a store, made of real sockets.
+
+``Relay(host, port)`` listens on a free 127.0.0.1 port and forwards bytes both ways to ``host:port``. It runs
+in a thread of its own with its own event loop, so neither a test's blocking calls nor a proxy in a subprocess
+can stall it. Every method is thread-safe and returns once the relay's loop has done the work (bounded waits):
+
+- ``cut()``      closes every open connection at once (both sides) and, until ``restore()``, closes each new
+                 one as soon as it is accepted: a network partition as the peers see it (EOF / reset).
+- ``stall()``    keeps connections open but forwards nothing, and accepts new ones without connecting them
+                 to the target: a black hole, for timeouts. ``restore()`` lets the held bytes flow again.
+- ``restore()``  back to forwarding.
+- ``close()``    closes everything and stops the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+CHUNK = 64 * 1024
+CALL_TIMEOUT = 10.0  # seconds a method waits for the relay's loop
+
+
+class _Link:
+    """One relayed connection: the accepted client side and, once connected, the target side."""
+
+    def __init__(self, client: asyncio.StreamWriter) -> None:
+        self.client = client
+        self.target: asyncio.StreamWriter | None = None
+
+    def abort(self) -> None:
+        for writer in (self.client, self.target):
+            if writer is not None:
+                writer.transport.abort()
+
+    async def close(self) -> None:
+        """An orderly end: what is still buffered is sent before the sockets close."""
+        for writer in (self.client, self.target):
+            if writer is not None:
+                writer.close()
+        for writer in (self.client, self.target):
+            if writer is not None:
+                with contextlib.suppress(OSError, TimeoutError):
+                    await asyncio.wait_for(writer.wait_closed(), 2)
+
+
+class Relay:
+    def __init__(self, target_host: str, target_port: int, name: str = "relay") -> None:
+        self.target_host = target_host
+        self.target_port = target_port
+        self.name = name
+        self.port = 0
+        self.accepted = 0  # connections accepted while forwarding (counted in the relay's loop)
+        self.refused = 0  # connections accepted and closed at once while cut
+        self._mode = "open"  # open | cut | stalled
+        self._links: set[_Link] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self._flowing: asyncio.Event | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"relay-{name}", daemon=True)
+        self._thread.start()
+        self._call(self._listen())
+
+    # ------------------------------------------------------------------ public, any thread
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    def cut(self) -> None:
+        self._call(self._cut())
+
+    def stall(self) -> None:
+        self._call(self._stall())
+
+    def restore(self) -> None:
+        self._call(self._restore())
+
+    def open_connections(self) -> int:
+        return self._call(self._count())
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            self._call(self._shutdown())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(CALL_TIMEOUT)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self) -> Relay:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the relay's thread
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+        pending = [task for task in asyncio.all_tasks(self._loop) if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+        self._loop.run_until_complete(self._loop.shutdown_default_executor())
+
+    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(CALL_TIMEOUT)
+
+    async def _listen(self) -> None:
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def _count(self) -> int:
+        return len(self._links)
+
+    async def _cut(self) -> None:
+        self._mode = "cut"
+        assert self._flowing is not None
+        self._flowing.set()  # held pumps wake up, see their transports gone and end
+        self._abort_all()
+
+    async def _stall(self) -> None:
+        self._mode = "stalled"
+        assert self._flowing is not None
+        self._flowing.clear()
+
+    async def _restore(self) -> None:
+        self._mode = "open"
+        assert self._flowing is not None
+        self._flowing.set()
+
+    async def _shutdown(self) -> None:
+        self._mode = "cut"
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        self._abort_all()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _abort_all(self) -> None:
+        for link in list(self._links):
+            link.abort()
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._mode == "cut":
+            self.refused += 1
+            writer.transport.abort()
+            return
+        self.accepted += 1
+        task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = _Link(writer)
+        self._links.add(link)
+        try:
+            assert self._flowing is not None
+            await self._flowing.wait()  # stalled: hold the connection, connect nothing
+            if self._mode == "cut":
+                return
+            try:
+                target_reader, link.target = await asyncio.open_connection(self.target_host, self.target_port)
+            except OSError:
+                return  # the target is down: the client sees its connection closed
+            if self._mode == "cut":  # cut while connecting
+                return
+            await asyncio.gather(self._pump(reader, link.target), self._pump(target_reader, writer))
+        finally:
+            self._links.discard(link)
+            if self._mode != "cut":
+                await link.close()
+            link.abort()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Copy one direction until EOF or an error; EOF is passed on as a half-close."""
+        assert self._flowing is not None
+        try:
+            while data := await reader.read(CHUNK):
+                await self._flowing.wait()
+                if writer.transport.is_closing():
+                    return
+                writer.write(data)
+                await writer.drain()
+            if writer.can_write_eof() and not writer.transport.is_closing():
+                writer.write_eof()
+        except (OSError, RuntimeError):
+            writer.transport.abort()  # a broken side ends the other direction too (its read sees EOF)

@@ -1,0 +1,160 @@
+"""The Redis fast path never decides alone: no 422 from a lock, no wake-up storms, no replay after a release."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import replace
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+import redis as sync_redis
+from aiohttp.test_utils import TestServer
+
+from idemproxy.store.base import State, StoredResponse
+from idemproxy.store.redis import BREAKER_COOLDOWN, RedisFrontedStore, _encode
+from tests.conftest import ProxyFactory, RunningProxy
+from tests.relay import Relay
+from tests.test_faults import durable
+from tests.upstream import RecordingUpstream
+
+CHARGE = {"amount": 1000, "currency": "eur"}
+TOKEN = "admin-secret"
+
+
+def fronted(proxy: RunningProxy) -> RedisFrontedStore:
+    store = proxy.proxy.store
+    assert isinstance(store, RedisFrontedStore)
+    return store
+
+
+def redis_keys(proxy: RunningProxy, key: str) -> list[str]:
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    return fronted(proxy)._keys(tenant, key)
+
+
+def section(pg: str, redis_url: str, prefix: str, **redis: object) -> dict[str, object]:
+    return {"postgres": {"dsn": pg, "pool_min": 1, "pool_max": 10},
+            "redis": {"url": redis_url, "key_prefix": prefix, **redis}}
+
+
+async def test_a_lock_with_another_fingerprint_never_answers_422(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    """The replay cache has expired (replay_cache_ttl < ttl) and a wrong-payload request holds the Redis lock
+    while PostgreSQL decides: a genuine retry meanwhile gets its replay, not 422."""
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    first, first_body = await proxy.post("/v1/charges", key="lk", body=CHARGE)
+    assert first.status == 201
+    lock, resp, _ = redis_keys(proxy, "lk")
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        client.delete(resp)  # the cache entry expired
+        client.set(lock, f"someone {'e' * 64}", px=10_000)  # a wrong payload took the lock a moment ago
+        again, again_body = await proxy.post("/v1/charges", key="lk", body=CHARGE)
+        assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+        assert again_body == first_body
+        wrong, _ = await proxy.post("/v1/charges", key="lk", body={"amount": 1})
+        assert wrong.status == 422  # from the durable record
+    finally:
+        client.close()
+    assert upstream.count(key="lk") == 1
+
+
+async def test_wait_mode_when_redis_lost_the_owners_lock_does_not_spin(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix),
+                             idempotency={"in_flight": "wait", "wait_timeout": "5s"})
+    owner = asyncio.ensure_future(proxy.post("/v1/charges", key="spin", body=CHARGE,
+                                             headers={"X-Test-Delay": "1.5"}))
+    while upstream.count(key="spin") == 0:
+        await asyncio.sleep(0.005)
+    lock, _, _ = redis_keys(proxy, "spin")
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        client.delete(lock)  # Redis restarted (or evicted the lock) while the owner works
+    finally:
+        client.close()
+    before = durable(proxy).statements
+    waiter, waiter_body = await proxy.post("/v1/charges", key="spin", body=CHARGE)
+    owner_resp, owner_body = await owner
+    assert owner_resp.status == waiter.status == 201 and waiter_body == owner_body
+    assert waiter.headers["Idempotent-Replayed"] == "true"
+    # one claim that found the owner in PostgreSQL, the owner's completion, and the waiter's look after it
+    assert durable(proxy).statements - before <= 5, durable(proxy).statements - before
+    assert upstream.count(key="spin") == 1
+
+
+@pytest.fixture
+def redis_relay(redis_url: str) -> Iterator[Relay]:
+    parts = urlsplit(redis_url)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 6379, name="redis") as relay:
+        yield relay
+
+
+async def admin_delete(proxy: RunningProxy, key: str) -> int:
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    admin = TestServer(proxy.proxy.admin_app(), host="127.0.0.1")
+    await admin.start_server()
+    try:
+        async with aiohttp.ClientSession() as session, session.delete(
+            admin.make_url(f"/admin/keys/{tenant}/{key}"), headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as resp:
+            return resp.status
+    finally:
+        await admin.close()
+
+
+async def test_a_release_while_the_redis_breaker_is_open_leaves_no_replay_behind(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    redis_relay: Relay,
+) -> None:
+    relayed = redis_url.replace(f":{urlsplit(redis_url).port}/", f":{redis_relay.port}/")
+    proxy = await make_proxy(storage_section=section(clean_pg, relayed, redis_prefix), admin={"token": TOKEN})
+    assert (await proxy.post("/v1/charges", key="brk", body=CHARGE))[0].status == 201  # cached in Redis
+    redis_relay.cut()
+    await proxy.post("/v1/charges", key="other", body=CHARGE)  # Redis fails: the breaker opens for a while
+    redis_relay.restore()  # Redis is back, with the cached answer, while the breaker still skips it
+    assert await admin_delete(proxy, "brk") == 200
+    await asyncio.sleep(BREAKER_COOLDOWN + 0.2)  # the breaker closes: requests read Redis again
+    resp, body = await proxy.post("/v1/charges", key="brk", body=CHARGE)
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false", body
+    assert upstream.count(key="brk") == 2
+
+
+async def test_a_release_with_redis_unreachable_is_refused_not_half_done(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    redis_relay: Relay,
+) -> None:
+    relayed = redis_url.replace(f":{urlsplit(redis_url).port}/", f":{redis_relay.port}/")
+    proxy = await make_proxy(storage_section=section(clean_pg, relayed, redis_prefix), admin={"token": TOKEN})
+    assert (await proxy.post("/v1/charges", key="half", body=CHARGE))[0].status == 201
+    redis_relay.cut()
+    assert await admin_delete(proxy, "half") == 503  # nothing released: retry when Redis answers
+    redis_relay.restore()
+    replay, _ = await proxy.post("/v1/charges", key="half", body=CHARGE)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert await admin_delete(proxy, "half") == 200
+    fresh, _ = await proxy.post("/v1/charges", key="half", body=CHARGE)
+    assert fresh.headers["Idempotent-Replayed"] == "false"
+
+
+async def test_a_completion_racing_a_release_cannot_bring_the_record_back_into_the_cache(
+    make_proxy: ProxyFactory, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    """The owner's PostgreSQL completion lands, an admin release deletes the record and purges Redis, and only
+    then does the owner's Redis write arrive: it must not re-create the replay cache."""
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    store = fronted(proxy)
+    claim = await store.claim("t", "race", "f" * 64, lease=30, ttl=600)
+    assert claim.owned
+    response = StoredResponse(status=201, headers=(), body=b'{"id": 1}')
+    assert await store.durable.complete(claim, response, ttl=600)  # first half of complete()
+    assert await store.forget("t", "race")  # the admin release, in between
+    # second half of complete(): the Redis write, late, with the epoch its claim read
+    payload = _encode(replace(claim.record, state=State.COMPLETED, response=response, completed_at=0.0))
+    await store._settle("t", "race", claim.token, payload=payload, ttl=600, epoch=claim.cache_epoch or "")
+    again = await store.claim("t", "race", "f" * 64, lease=30, ttl=600)
+    assert again.owned, "a released record came back from the replay cache"

@@ -1,0 +1,208 @@
+"""Stored before answered, also when the store fails after the forward (CONTRACT "When the store fails after the
+forward"): PostgreSQL reached through a TCP relay the test cuts while the upstream is working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from tests.conftest import ProxyFactory, RunningProxy
+from tests.relay import Relay
+from tests.upstream import RecordingUpstream
+
+CHARGE = {"amount": 1000, "currency": "eur"}
+# upstream.timeout 1 s + the 2 s lease margin: the shortest lease the config accepts, so takeovers come quickly.
+FAST = {"upstream": {"timeout": "1s"}, "idempotency": {"lease": "3s", "settle_timeout": "10s"}}
+
+
+def via(relay: Relay, dsn: str) -> str:
+    """``dsn`` with its host and port replaced by the relay's."""
+    parts = urlsplit(dsn)
+    user = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{relay.port}" if user else f"127.0.0.1:{relay.port}"))
+
+
+def pg_section(dsn: str, **extra: Any) -> dict[str, Any]:
+    return {"postgres": {"dsn": dsn, "pool_min": 1, "pool_max": 10}, **extra}
+
+
+@pytest.fixture
+def pg_relay(clean_pg: str) -> Iterator[Relay]:
+    parts = urlsplit(clean_pg)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        yield relay
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def until_async(condition: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def cut_proxy(make_proxy: ProxyFactory, pg_relay: Relay, clean_pg: str) -> AsyncIterator[RunningProxy]:
+    """A proxy on PostgreSQL alone, reached through the relay."""
+    yield await make_proxy(storage_section=pg_section(via(pg_relay, clean_pg)), **FAST)
+
+
+async def started(proxy: RunningProxy, upstream: RecordingUpstream, key: str,
+                  **kw: Any) -> asyncio.Future[tuple[Any, bytes]]:
+    """Send a request and return once the upstream has begun executing it."""
+    pending = asyncio.ensure_future(proxy.post("/v1/charges", key=key, body=CHARGE, **kw))
+    await until(lambda: upstream.count(key=key) == 1)
+    return pending
+
+
+def metric(proxy: RunningProxy, line_start: str) -> float:
+    for line in proxy.proxy.metrics.render().decode().splitlines():
+        if line.startswith(line_start + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_store_cut_during_the_forward_the_client_waits_for_the_stored_answer(
+    cut_proxy: RunningProxy, upstream: RecordingUpstream, pg_relay: Relay
+) -> None:
+    pending = await started(cut_proxy, upstream, "cut-1", headers={"X-Test-Delay": "0.3"})
+    pg_relay.cut()
+    await asyncio.sleep(1.2)  # the upstream has answered by now; the store is still away
+    assert not pending.done(), "nothing of the answer may be sent before it is durable"
+    pg_relay.restore()
+    resp, body = await pending
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    assert metric(cut_proxy, 'idemproxy_settle_retries_total{operation="complete"}') >= 1
+
+    await asyncio.sleep(3.1)  # past the lease: a record left in flight would now be taken over
+    again, again_body = await cut_proxy.post("/v1/charges", key="cut-1", body=CHARGE)
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert again_body == body
+    assert upstream.count(key="cut-1") == 1
+
+
+async def test_store_away_past_settle_timeout_503_forwarded_then_the_background_completion_lands(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str
+) -> None:
+    proxy = await make_proxy(storage_section=pg_section(via(pg_relay, clean_pg)),
+                             upstream={"timeout": "1s"}, idempotency={"lease": "3s", "settle_timeout": "500ms"})
+    pending = await started(proxy, upstream, "away-1", headers={"X-Test-Delay": "0.2"})
+    pg_relay.cut()
+    resp, body = await pending
+    assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+    problem = json.loads(body)
+    assert problem["code"] == "store_unavailable" and problem["forwarded"] is True
+    assert "Idempotent-Replayed" not in resp.headers
+    assert metric(proxy, "idemproxy_pending_settles") == 1
+
+    await asyncio.sleep(3.5)  # longer than the lease: only the background completion prevents a takeover now
+    pg_relay.restore()
+    await until(lambda: metric(proxy, "idemproxy_pending_settles") == 0)
+    again, again_body = await proxy.post("/v1/charges", key="away-1", body=CHARGE)
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert json.loads(again_body)["serial"] == upstream.executed[-1].serial
+    assert upstream.count(key="away-1") == 1
+    assert metric(proxy, "idemproxy_settles_dropped_total") == 0
+
+
+async def test_owner_cut_off_and_taken_over_never_answers_its_own_unstored_result(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str
+) -> None:
+    owner = await make_proxy(storage_section=pg_section(via(pg_relay, clean_pg)), **FAST)
+    other = await make_proxy(storage_section=pg_section(clean_pg), **FAST)
+    pending = await started(owner, upstream, "taken", headers={"X-Test-Delay": "0.2"})
+    pg_relay.cut()  # the owner loses PostgreSQL; its completion keeps failing
+    await asyncio.sleep(3.2)  # the owner's lease runs out
+    retry, retry_body = await other.post("/v1/charges", key="taken", body=CHARGE)
+    assert retry.status == 201 and retry.headers["Idempotent-Replayed"] == "false"  # the allowed takeover
+    assert upstream.count(key="taken") == 2
+    pg_relay.restore()  # the owner's fenced completion is refused now
+
+    resp, body = await pending
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "true"
+    assert body == retry_body, "the owner's client must get the record's answer, never its own"
+    assert json.loads(body)["serial"] == upstream.executed[-1].serial
+
+
+async def test_release_status_answered_at_once_and_key_usable_as_soon_as_the_store_is_back(
+    cut_proxy: RunningProxy, upstream: RecordingUpstream, pg_relay: Relay
+) -> None:
+    pending = await started(cut_proxy, upstream, "rel-1",
+                            headers={"X-Test-Delay": "0.3", "X-Test-Status": "503"})
+    pg_relay.cut()
+    started_at = time.monotonic()
+    resp, body = await pending
+    assert resp.status == 503 and json.loads(body)["serial"] == 1  # the upstream's own answer, not a problem
+    assert time.monotonic() - started_at < 1.0  # not held for settle_timeout
+    pg_relay.restore()
+
+    async def usable() -> bool:
+        again, _ = await cut_proxy.post("/v1/charges", key="rel-1", body=CHARGE)
+        return again.status == 201
+
+    await until_async(usable, timeout=2.5)  # within the background release's retries, well before the lease
+    assert upstream.count(key="rel-1") == 2
+    assert metric(cut_proxy, 'idemproxy_settle_retries_total{operation="release"}') >= 1
+
+
+async def test_pending_settles_are_bounded_oldest_dropped(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str
+) -> None:
+    proxy = await make_proxy(
+        storage_section=pg_section(via(pg_relay, clean_pg), pending_settles={"max_count": 2}),
+        upstream={"timeout": "1s"}, idempotency={"lease": "3s", "settle_timeout": "200ms"},
+    )
+    keys = ["b-1", "b-2", "b-3"]
+    pending = []
+    for delay, key in zip(("0.3", "0.5", "0.7"), keys, strict=True):  # settled oldest first
+        pending.append(await started(proxy, upstream, key, headers={"X-Test-Delay": delay}))
+    pg_relay.cut()
+    results = await asyncio.gather(*pending)
+    assert {resp.status for resp, _ in results} == {503}
+    assert metric(proxy, "idemproxy_pending_settles") == 2
+    assert metric(proxy, "idemproxy_settles_dropped_total") == 1
+    pg_relay.restore()
+    await until(lambda: metric(proxy, "idemproxy_pending_settles") == 0)
+    # the two newest landed and replay; the oldest was dropped and stays in flight until its lease runs out
+    statuses = [(await proxy.post("/v1/charges", key=key, body=CHARGE))[0].status for key in keys]
+    assert statuses == [409, 201, 201]
+    assert sum(upstream.count(key=key) for key in keys) == 3
+
+
+async def test_graceful_shutdown_flushes_pending_completions(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str
+) -> None:
+    proxy = await make_proxy(storage_section=pg_section(via(pg_relay, clean_pg)),
+                             upstream={"timeout": "1s"}, idempotency={"lease": "3s", "settle_timeout": "200ms"})
+    pending = await started(proxy, upstream, "flush-1", headers={"X-Test-Delay": "0.2"})
+    pg_relay.cut()
+    assert (await pending)[0].status == 503
+    stopping = asyncio.ensure_future(proxy.server.close())  # graceful: the app's cleanup stops the Proxy
+    await asyncio.sleep(0.5)
+    assert not stopping.done()  # still retrying the completion
+    pg_relay.restore()
+    await asyncio.wait_for(stopping, 10)
+    assert metric(proxy, "idemproxy_settles_dropped_total") == 0
+    conn = await asyncpg.connect(clean_pg)
+    try:
+        state = await conn.fetchval("SELECT state FROM idemproxy_records WHERE key = 'flush-1'")
+    finally:
+        await conn.close()
+    assert state == "completed"
+    assert upstream.count(key="flush-1") == 1
