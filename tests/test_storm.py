@@ -1,0 +1,516 @@
+"""Jepsen in miniature: three real proxy processes on a real PostgreSQL and Redis, under a seeded storm of faults.
+
+Clients (asyncio tasks here) each own a key and retry it, with the same body, on 409, 5xx and broken connections
+until they get a final answer. Meanwhile, one at a time: a replica is killed with SIGKILL and restarted, the network
+to PostgreSQL or Redis is cut (a relay from tests/relay.py sits between the proxies and each store), PostgreSQL is
+restarted in immediate mode, Redis is restarted empty, and the upstream executes requests and then hangs up without
+answering. Afterwards every key is read once more, and the upstream's own log of what it executed is held against
+what the clients were told. Every violation is collected and printed before the test fails.
+
+  IDEMPROXY_STORM_SEED=1234      replay a run (the seed is printed; timing still varies)
+  IDEMPROXY_STORM_SECONDS=600    the long form (default: 25 s of faults)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import count, pairwise
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tests.proxyproc import ProxyProcess
+from tests.relay import Relay
+from tests.servers import PostgresServer, RedisServer
+
+STORM_SECONDS = float(os.environ.get("IDEMPROXY_STORM_SECONDS", "25"))
+LEASE = 3.5
+# The proxies' idempotency section; extend it as the config grows (e.g. settle_timeout).
+IDEMPOTENCY: dict[str, Any] = {"lease": f"{LEASE}s", "ttl": "600s", "settle_timeout": "5s"}
+MIN_TAKEOVER_GAP = LEASE - 1.0  # a second execution comes only after the first one's lease ran out
+SETTLE_GRACE = LEASE + 10  # after the faults stop, every key must get its answer within this
+CLIENT_TIMEOUT = 20.0  # one request; longer than any answer a healthy proxy holds back
+WORKERS = 12
+REPLICAS = 3
+BASE_DROP_RATE = 0.01  # the upstream executes and hangs up without answering, now and then...
+STORM_DROP_RATE = 0.3  # ...and often during an upstream_drop fault
+FAULT_KINDS = ("kill_proxy", "pg_cut", "pg_restart", "redis_cut", "redis_restart", "upstream_drop")
+WORK_SECONDS = (0.02, 0.4)  # how long the upstream takes; well under upstream.timeout (1 s)
+PATH = "/v1/charges"
+EXAMPLES = 6
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:")  # a line of the proxy's log that starts a new record
+
+
+# ---------------------------------------------------------------------------------------------- the upstream
+
+
+@dataclass
+class Execution:
+    key: str
+    body: bytes
+    at: float  # time.monotonic() in this process when the upstream took the request
+    serial: int
+    dropped: bool
+
+
+class StormUpstream:
+    """Executes every request it receives (logging it), answers 201 with its serial, or hangs up after executing."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.drop_rate = 0.0
+        self.executions: list[Execution] = []
+        self._serial = count(1)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        serial = next(self._serial)
+        dropped = self.rng.random() < self.drop_rate
+        self.executions.append(Execution(request.headers.get("Idempotency-Key", ""), body, time.monotonic(),
+                                         serial, dropped))
+        # A payment takes a while: the store can fail between a claim and its completion.
+        await asyncio.sleep(self.rng.uniform(*WORK_SECONDS))
+        if dropped:  # executed, but the answer is lost: the outcome is unknown to the proxy
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        return web.json_response({"serial": serial, "body": body.decode()}, status=201)
+
+
+# ---------------------------------------------------------------------------------------------- the storm
+
+
+@dataclass
+class KeyPlan:
+    key: str
+    tenant: str
+    body: bytes
+    mismatch: bytes | None  # a different body sent once with the same key after it completed
+    dup: bool  # a second client sends the same request concurrently
+    late: bool  # the same request again once it completed (a client that did not trust its answer)
+
+
+@dataclass
+class Answer:
+    key: str
+    sender: str  # first | dup | late | verify | mismatch
+    status: int
+    replayed: str | None
+    serial: int | None
+    at: float
+    proxy: int
+    text: str
+
+
+@dataclass
+class Fault:
+    kind: str
+    start: float
+    end: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class Storm:
+    seed: int
+    upstream: StormUpstream
+    proxies: list[ProxyProcess]
+    pg: PostgresServer
+    pg_relay: Relay
+    redis: RedisServer
+    redis_relay: Relay
+    rng: random.Random = field(init=False)
+    live: set[int] = field(init=False)
+    keys: dict[str, KeyPlan] = field(default_factory=dict)
+    answers: list[Answer] = field(default_factory=list)
+    statuses: Counter[str] = field(default_factory=Counter)
+    requests: int = 0
+    faults: list[Fault] = field(default_factory=list)
+    unanswered: list[str] = field(default_factory=list)
+    deadline: float = float("inf")
+    faults_over: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(f"{self.seed}:faults")
+        self.live = set(range(len(self.proxies)))
+
+    # ------------------------------------------------------------------ clients
+
+    def new_key(self, rng: random.Random, worker: int) -> KeyPlan:
+        key = f"storm-{worker}-{len(self.keys)}-{rng.getrandbits(32):08x}"
+        amount = rng.randint(100, 100_000)
+        body = json.dumps({"amount": amount, "currency": "eur", "key": key}).encode()
+        other = json.dumps({"amount": amount + 1, "currency": "eur", "key": key}).encode()
+        plan = KeyPlan(key, f"Bearer tenant-{rng.randint(1, 3)}", body,
+                       mismatch=other if rng.random() < 0.25 else None,
+                       dup=rng.random() < 0.25, late=rng.random() < 0.3)
+        self.keys[key] = plan
+        return plan
+
+    async def worker(self, session: aiohttp.ClientSession, worker: int) -> None:
+        rng = random.Random(f"{self.seed}:client:{worker}")
+        while not self.faults_over.is_set():
+            plan = self.new_key(rng, worker)
+            senders = [self.send_until_final(session, plan, "first", rng)]
+            if plan.dup:
+                senders.append(self.send_until_final(session, plan, "dup", random.Random(rng.random())))
+            results = await asyncio.gather(*senders)
+            if all(results) and plan.late:
+                await asyncio.sleep(rng.uniform(0, 2))
+                await self.send_until_final(session, plan, "late", rng)
+            if all(results) and plan.mismatch is not None:
+                await self.send(session, plan, plan.mismatch, "mismatch", rng)
+            await asyncio.sleep(rng.uniform(0.2, 1.2))
+
+    async def send_until_final(self, session: aiohttp.ClientSession, plan: KeyPlan, sender: str,
+                               rng: random.Random) -> bool:
+        """Retry on 409, 5xx and broken connections until a 2xx or another 4xx; True on a 2xx."""
+        attempt = 0
+        last = "no attempt"
+        while time.monotonic() < self.deadline:
+            status = await self.send(session, plan, plan.body, sender, rng)
+            if status is not None and 200 <= status < 300:
+                return True
+            last = "no answer" if status is None else str(status)
+            if status is not None and 400 <= status < 500 and status != 409:
+                self.unanswered.append(f"{plan.key} ({sender}): gave up on {status}")
+                return False
+            attempt += 1
+            await asyncio.sleep(rng.uniform(0.5, 1.0) * min(0.05 * 2**attempt, 0.5))
+        self.unanswered.append(f"{plan.key} ({sender}): deadline passed, last {last}")
+        return False
+
+    async def send(self, session: aiohttp.ClientSession, plan: KeyPlan, body: bytes, sender: str,
+                   rng: random.Random) -> int | None:
+        """One request to a live replica; the answer is recorded (None: no answer came)."""
+        proxy = rng.choice(sorted(self.live))
+        headers = {"Idempotency-Key": plan.key, "Authorization": plan.tenant, "Content-Type": "application/json"}
+        self.requests += 1
+        try:
+            async with session.post(self.proxies[proxy].url + PATH, data=body, headers=headers) as resp:
+                raw = await resp.read()
+                status, replayed = resp.status, resp.headers.get("Idempotent-Replayed")
+        except (aiohttp.ClientError, TimeoutError):
+            self.statuses["no answer"] += 1
+            return None
+        self.statuses[str(status)] += 1
+        text = raw.decode(errors="replace")
+        self.answers.append(Answer(plan.key, sender, status, replayed, _serial(status, raw), time.monotonic(),
+                                   proxy, text[:200]))
+        return status
+
+    async def verify(self, session: aiohttp.ClientSession) -> None:
+        """Every key once more, now the storm is over: the stored answer must be the one delivered."""
+        gate = asyncio.Semaphore(32)
+        self.deadline = time.monotonic() + SETTLE_GRACE
+
+        async def one(plan: KeyPlan) -> None:
+            async with gate:
+                await self.send_until_final(session, plan, "verify", random.Random(plan.key))
+
+        await asyncio.gather(*(one(plan) for plan in self.keys.values()))
+
+    # ------------------------------------------------------------------ faults
+
+    async def fault_schedule(self) -> None:
+        end = time.monotonic() + STORM_SECONDS
+        await asyncio.sleep(1.0)  # the clients get going first
+        cycle: list[str] = []
+        while time.monotonic() < end:
+            if not cycle:  # every kind once per cycle, in a seeded order
+                cycle = list(FAULT_KINDS)
+                self.rng.shuffle(cycle)
+            fault = Fault(cycle.pop(), time.monotonic())
+            self.faults.append(fault)
+            await getattr(self, f"_{fault.kind}")(fault)
+            fault.end = time.monotonic()
+            await asyncio.sleep(self.rng.uniform(0.5, 1.5))
+        self.assert_restored()
+        self.deadline = time.monotonic() + SETTLE_GRACE
+        self.faults_over.set()
+
+    async def _kill_proxy(self, fault: Fault) -> None:
+        victim = self.rng.choice(sorted(self.live))
+        self.live.discard(victim)
+        await asyncio.to_thread(self.proxies[victim].kill)
+        down = self.rng.uniform(0.3, 1.5)
+        fault.detail = f"p{victim} down {down:.1f}s"
+        await asyncio.sleep(down)
+        await self.proxies[victim].start()
+        self.live.add(victim)
+
+    async def _cut(self, relay: Relay, fault: Fault, low: float, high: float) -> None:
+        seconds = self.rng.uniform(low, high)
+        fault.detail = f"{seconds:.1f}s"
+        relay.cut()
+        await asyncio.sleep(seconds)
+        relay.restore()
+
+    async def _pg_cut(self, fault: Fault) -> None:
+        await self._cut(self.pg_relay, fault, 2, 4)
+
+    async def _redis_cut(self, fault: Fault) -> None:
+        await self._cut(self.redis_relay, fault, 1, 3)
+
+    async def _pg_restart(self, fault: Fault) -> None:
+        down = self.rng.uniform(0, 1)
+        await asyncio.to_thread(self.pg.stop)  # immediate mode: no checkpoint, connections dropped
+        await asyncio.sleep(down)
+        await asyncio.to_thread(self.pg.start)
+        fault.detail = f"down {time.monotonic() - fault.start:.1f}s"
+
+    async def _redis_restart(self, fault: Fault) -> None:
+        down = self.rng.uniform(0, 1)
+        await asyncio.to_thread(self.redis.stop)  # SIGKILL, no persistence: it comes back empty
+        await asyncio.sleep(down)
+        await asyncio.to_thread(self.redis.start)
+        fault.detail = f"down {time.monotonic() - fault.start:.1f}s"
+
+    async def _upstream_drop(self, fault: Fault) -> None:
+        seconds = self.rng.uniform(2, 3)
+        fault.detail = f"{seconds:.1f}s at {STORM_DROP_RATE:.0%}"
+        self.upstream.drop_rate = STORM_DROP_RATE
+        await asyncio.sleep(seconds)
+        self.upstream.drop_rate = BASE_DROP_RATE
+
+    def assert_restored(self) -> None:
+        assert self.live == set(range(len(self.proxies)))
+        assert all(p.proc is not None and p.proc.poll() is None for p in self.proxies)
+        assert self.pg_relay.mode == "open" and self.redis_relay.mode == "open"
+        assert self.redis.proc is not None and self.upstream.drop_rate == BASE_DROP_RATE
+
+    def faults_near(self, start: float, end: float) -> list[Fault]:
+        return [f for f in self.faults if f.start <= end and (f.end or float("inf")) >= start]
+
+
+def _serial(status: int, raw: bytes) -> int | None:
+    if not 200 <= status < 300:
+        return None
+    try:
+        return int(json.loads(raw)["serial"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- the checks
+
+
+class Verdict:
+    """The checks (a)-(f) over the upstream's log and the clients' answers; every violation is collected."""
+
+    def __init__(self, storm: Storm) -> None:
+        self.storm = storm
+        self.violations: dict[str, list[str]] = defaultdict(list)
+        self.takeovers: Counter[str] = Counter()
+        self.takeover_examples: list[str] = []
+        self.executions: dict[str, list[Execution]] = defaultdict(list)
+        for execution in storm.upstream.executions:
+            self.executions[execution.key].append(execution)
+        self.delivered: dict[str, list[Answer]] = defaultdict(list)
+        for answer in storm.answers:
+            if 200 <= answer.status < 300 and answer.sender != "mismatch":
+                self.delivered[answer.key].append(answer)
+
+    def run(self) -> dict[str, list[str]]:
+        self.check_executions()
+        for key, answers in self.delivered.items():
+            self.check_same_answer(key, answers)
+            self.check_replay_marks(key, answers)
+        self.check_mismatches()
+        for line in self.storm.unanswered:
+            self.violations["e unanswered"].append(line)
+        for answer in self.storm.answers:
+            if answer.status == 500:
+                self.violations["f http 500"].append(f"{answer.key} ({answer.sender}) via p{answer.proxy}: "
+                                                      f"{answer.text}")
+        return self.violations
+
+    def check_executions(self) -> None:
+        """(a) executions of one key are at least a lease apart, less the slack; each one is attributed."""
+        for key, runs in self.executions.items():
+            runs.sort(key=lambda e: e.at)
+            for before, after in pairwise(runs):
+                gap = after.at - before.at
+                cause = self.cause(before)
+                self.takeovers[cause] += 1
+                line = (f"{key}: serial {before.serial}{' (dropped)' if before.dropped else ''} then "
+                        f"{after.serial} {gap:.2f}s later; faults around the first: {cause}")
+                if len(self.takeover_examples) < EXAMPLES:
+                    self.takeover_examples.append(line)
+                if gap < MIN_TAKEOVER_GAP:
+                    self.violations["a executed twice within a lease"].append(line)
+
+    def cause(self, first: Execution) -> str:
+        near = self.storm.faults_near(first.at - 1.5, first.at + LEASE)
+        kinds = {f.kind for f in near} | ({"dropped by upstream"} if first.dropped else set())
+        return "+".join(sorted(kinds)) or "none"
+
+    def check_same_answer(self, key: str, answers: list[Answer]) -> None:
+        """(b) every 2xx delivered for a key carries the same serial."""
+        serials = {a.serial for a in answers}
+        if len(serials) > 1 or None in serials:
+            shown = ", ".join(f"{a.sender}:{a.serial}/replayed={a.replayed}/p{a.proxy}" for a in answers[:8])
+            self.violations["b different 2xx answers for one key"].append(
+                f"{key}: serials {sorted(serials, key=str)} executed {len(self.executions[key])}x: {shown}")
+
+    def check_replay_marks(self, key: str, answers: list[Answer]) -> None:
+        """(c) one fresh answer per executed serial, every 2xx marked, and only executed serials replayed."""
+        fresh = Counter(a.serial for a in answers if a.replayed == "false")
+        for serial, times in fresh.items():
+            if times > 1:
+                self.violations["c fresh answer delivered twice"].append(f"{key}: serial {serial} {times}x")
+        for a in answers:
+            if a.replayed not in ("true", "false"):
+                self.violations["c 2xx without replay mark"].append(f"{key} ({a.sender}): {a.replayed!r}")
+        plan = self.storm.keys[key]
+        executed = {e.serial for e in self.executions[key] if e.body == plan.body and not e.dropped}
+        for serial in {a.serial for a in answers} - executed - {None}:
+            self.violations["c answer from no execution of this key"].append(f"{key}: serial {serial}")
+
+    def check_mismatches(self) -> None:
+        """(d) a different body with a used key is never answered 2xx, and never reaches the upstream."""
+        for answer in self.storm.answers:
+            if answer.sender == "mismatch" and 200 <= answer.status < 300:
+                self.violations["d different body got a 2xx"].append(f"{answer.key}: {answer.text}")
+        for key, runs in self.executions.items():
+            plan = self.storm.keys.get(key)
+            for run in runs:
+                if plan is None or run.body != plan.body:
+                    self.violations["d different body executed"].append(f"{key}: serial {run.serial}")
+
+    def report(self) -> str:
+        storm = self.storm
+        second = sum(max(len(runs) - 1, 0) for runs in self.executions.values())
+        faults = Counter(f.kind for f in storm.faults)
+        lines = [
+            f"storm seed={storm.seed} seconds={STORM_SECONDS:g} (replay: IDEMPROXY_STORM_SEED={storm.seed})",
+            f"keys={len(storm.keys)} requests={storm.requests} executions={len(storm.upstream.executions)} "
+            f"dropped-by-upstream={sum(e.dropped for e in storm.upstream.executions)} second-executions={second}",
+            f"faults: {dict(sorted(faults.items()))}",
+            "fault log: " + "; ".join(f"{f.kind}({f.detail})" for f in storm.faults),
+            f"second executions by faults around the first: {dict(self.takeovers.most_common())}",
+            *(f"  {line}" for line in self.takeover_examples),
+            f"statuses: {dict(sorted(storm.statuses.items()))}",
+            f"violations: {({kind: len(found) for kind, found in sorted(self.violations.items())}) or 'none'}",
+        ]
+        for kind, found in sorted(self.violations.items()):
+            lines.append(f"  {kind}:")
+            lines.extend(f"    {line}" for line in found[:EXAMPLES])
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- the test
+
+
+def proxy_config(upstream_url: str, pg_dsn: str, redis_url: str) -> dict[str, Any]:
+    return {
+        "upstream": {"url": upstream_url, "timeout": "1s", "connect_timeout": "1s"},
+        "idempotency": dict(IDEMPOTENCY),
+        "tenant": {"from": "header", "header": "Authorization"},
+        "storage": {
+            "postgres": {"dsn": pg_dsn, "pool_min": 1, "pool_max": 5},
+            "redis": {"url": redis_url, "key_prefix": "storm:"},
+        },
+        "log": {"access": "off"},
+        "shutdown_timeout": "3s",
+    }
+
+
+def via(url: str, relay: Relay) -> str:
+    """``url`` with its host and port replaced by the relay's."""
+    parts = urlsplit(url)
+    user = f"{parts.username}@" if parts.username else ""
+    return parts._replace(netloc=f"{user}127.0.0.1:{relay.port}").geturl()
+
+
+@pytest.fixture
+def relays(own_pg: PostgresServer, running_redis: RedisServer) -> Iterator[tuple[Relay, Relay]]:
+    with Relay("127.0.0.1", own_pg.port, name="pg") as pg, \
+            Relay("127.0.0.1", running_redis.port, name="redis") as redis:
+        yield pg, redis
+
+
+@pytest.mark.timeout(STORM_SECONDS + 2 * SETTLE_GRACE + 60)
+async def test_storm(
+    own_pg: PostgresServer, own_pg_dsn: str, running_redis: RedisServer, relays: tuple[Relay, Relay],
+    proxy_process: Callable[..., ProxyProcess],
+) -> None:
+    seed = int(os.environ.get("IDEMPROXY_STORM_SEED") or random.SystemRandom().randrange(1, 1_000_000))
+    print(f"\nstorm seed={seed} (IDEMPROXY_STORM_SEED={seed} replays the schedule)")
+    pg_relay, redis_relay = relays
+    upstream = StormUpstream(random.Random(f"{seed}:upstream"))
+    upstream.drop_rate = BASE_DROP_RATE
+    server = TestServer(upstream.app(), host="127.0.0.1")
+    await server.start_server()
+    proxies: list[ProxyProcess] = []
+    try:
+        config = proxy_config(str(server.make_url("")).rstrip("/"), via(own_pg_dsn, pg_relay),
+                              via(running_redis.url, redis_relay))
+        proxies = [proxy_process(config, name=f"storm{i}") for i in range(REPLICAS)]
+        await proxies[0].start()  # creates the schema
+        await asyncio.gather(*(p.start() for p in proxies[1:]))
+        storm = Storm(seed, upstream, proxies, own_pg, pg_relay, running_redis, redis_relay)
+        await run_storm(storm)
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in proxies))
+        await server.close()
+    verdict = Verdict(storm)
+    violations = verdict.run()
+    summary = verdict.report()
+    print(summary)
+    if violations:
+        print(proxy_tracebacks(proxies))
+    found = {kind: len(lines) for kind, lines in sorted(violations.items())}
+    assert not violations, f"storm seed={seed} found {found}; the summary is printed above (stdout)"
+
+
+def proxy_tracebacks(proxies: list[ProxyProcess], limit: int = 3) -> str:
+    """The first tracebacks the replicas logged at ERROR level (their logs sit in pytest's tmp_path, which other
+    runs rotate away; IDEMPROXY_STORM_KEEP_LOGS=DIR copies them there)."""
+    keep = os.environ.get("IDEMPROXY_STORM_KEEP_LOGS")
+    shown: list[str] = []
+    for i, proxy in enumerate(proxies):
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            shutil.copy(proxy.log_path, os.path.join(keep, proxy.log_path.name))
+        lines = proxy.log_path.read_text(errors="replace").splitlines()
+        starts = [n for n, line in enumerate(lines)
+                  if line.startswith("Traceback") and n and " ERROR " in lines[n - 1]][:limit]
+        for n in starts:
+            block = [lines[n - 1]]
+            for line in lines[n:n + 200]:  # up to the next log record
+                if LOG_RECORD.match(line):
+                    break
+                if not line.lstrip().startswith("^"):  # drop the caret lines
+                    block.append(line)
+            shown.append(f"--- p{i}:\n" + "\n".join(block))
+    return "\n".join(shown) or "no ERROR tracebacks in the proxy logs"
+
+
+async def run_storm(storm: Storm) -> None:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT)) as session:
+        async with asyncio.TaskGroup() as group:  # a failing fault step cancels the clients too
+            group.create_task(storm.fault_schedule())
+            for i in range(WORKERS):
+                group.create_task(storm.worker(session, i))
+        await storm.verify(session)
