@@ -53,8 +53,11 @@ def test_alerts_cover_the_operational_promises() -> None:
     by_name: dict[str, Any] = {rule["alert"]: rule for rule in ALERTS}
     assert set(by_name) == {
         "IdempotencyConflictRateHigh", "IdempotencyInFlightRateHigh", "IdempotencyOverheadHigh",
-        "IdempotencyStoreErrors", "IdempotencyLeaseTakeovers",
+        "IdempotencyStoreErrors", "IdempotencyLeaseTakeovers", "IdempotencyAnswersNotStored",
+        "IdempotencySettlesDropped",
     }
+    assert "idemproxy_pending_settles" in by_name["IdempotencyAnswersNotStored"]["expr"]
+    assert "idemproxy_settles_dropped_total" in by_name["IdempotencySettlesDropped"]["expr"]
     assert "> 0.01" in by_name["IdempotencyConflictRateHigh"]["expr"]
     assert "> 0.05" in by_name["IdempotencyInFlightRateHigh"]["expr"]
     overhead = by_name["IdempotencyOverheadHigh"]["expr"]
