@@ -2,7 +2,7 @@
 
 Two requests share a fingerprint only when an upstream cannot tell their payloads apart. The canonical
 JSON form therefore forgets exactly what JSON says carries no meaning (member order, whitespace between
-tokens, how a string is escaped) and nothing else: numbers keep their source text, and a body that is not
+tokens, how a string is escaped) and nothing else: numbers keep their exact digits, and a body that is not
 plain UTF-8 JSON, repeats a member name, nests deeper than ``MAX_DEPTH`` or holds a string no UTF-8 can
 carry (a lone surrogate escape such as ``"\\ud800"``) is hashed byte for byte. docs/fingerprint.md has the
 rules with examples.
@@ -125,8 +125,9 @@ def canonical_json(body: bytes) -> bytes | None:
     """``body`` in canonical JSON form, or None when it is to be hashed byte for byte.
 
     Canonical: members sorted by their decoded names, no whitespace, strings re-escaped as
-    ``json.dumps(ensure_ascii=False)`` does, numbers as written. None for anything but UTF-8 JSON without
-    a BOM, and for JSON with a repeated member name, nesting deeper than MAX_DEPTH, or a lone surrogate.
+    ``json.dumps(ensure_ascii=False)`` does, numbers exact (as Decimal writes them: 1e2 is 1E+2). None for
+    anything but UTF-8 JSON without a BOM, and for JSON with a repeated member name, nesting deeper than
+    MAX_DEPTH, a lone surrogate, NaN/Infinity or an exponent no Decimal holds.
     """
     if body.startswith(codecs.BOM_UTF8):
         return None
