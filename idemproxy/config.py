@@ -285,9 +285,25 @@ def _int(low: int, high: int) -> Callable[[Any], int]:
 
 
 def _str(value: Any) -> str:
-    if isinstance(value, dict | list) or value is None:
-        raise _Invalid(f"{value!r} is not a string")
-    return str(value)
+    """Text as written in the file; a value YAML typed as something else is refused, never converted."""
+    return _text(value, secret=False)
+
+
+def _secret_text(value: Any) -> str:
+    """Like :func:`_str`, but the error never shows the value."""
+    return _text(value, secret=True)
+
+
+def _text(value: Any, *, secret: bool) -> str:
+    if isinstance(value, str):
+        return value
+    shown = "the value (a secret, not shown)" if secret else _short(value)
+    if value is None or isinstance(value, dict | list):
+        raise _Invalid(f"{shown} is not a string")
+    # Unquoted, 0012345 is the octal number 5349, on is true, 1e3 is 1000.0, 2024-01-02 a date: str() of
+    # what YAML made would silently be another token or password than the one written.
+    kind = {bool: "a boolean", int: "a number", float: "a number"}.get(type(value), f"a {type(value).__name__}")
+    raise _Invalid(f"{shown} is not a string: YAML read the unquoted value as {kind}; quote it")
 
 
 def _choice(*options: str) -> Callable[[Any], str]:
@@ -332,20 +348,22 @@ def _http_url(value: Any) -> str:
 
 
 def _redis_url(value: Any) -> SecretURL:
-    text = _str(value)
+    text = _secret_text(value)
     if urlsplit(text).scheme not in ("redis", "rediss", "unix"):
         raise _Invalid(f"{SecretURL(text).masked()!r} is not a redis:// URL")
     return SecretURL(text)
 
 
 def _pg_dsn(value: Any) -> SecretURL:
-    text = _str(value)
+    text = _secret_text(value)
     if urlsplit(text).scheme not in ("postgres", "postgresql"):
         raise _Invalid(f"{SecretURL(text).masked()!r} is not a postgresql:// DSN")
     return SecretURL(text)
 
 
 def _log_level(value: Any) -> str:
+    if value is False:  # ``access: off`` unquoted is YAML's false: the documented way to say off
+        return "OFF"
     text = _str(value).upper()
     if text not in ("DEBUG", "INFO", "WARNING", "ERROR", "OFF"):
         raise _Invalid(f"{value!r} is not one of debug, info, warning, error, off")
@@ -379,7 +397,7 @@ _IDEMPOTENCY_SPEC: _Spec = {
 
 _SPECS: dict[type[Any], _Spec] = {
     ListenConfig: {"host": _str, "port": _int(0, 65535)},
-    AdminConfig: {"host": _str, "port": _int(0, 65535), "token": lambda v: Secret(_str(v))},
+    AdminConfig: {"host": _str, "port": _int(0, 65535), "token": lambda v: Secret(_secret_text(v))},
     UpstreamConfig: {
         "url": _http_url,
         "connect_timeout": parse_duration,
@@ -438,8 +456,10 @@ class _Loader:
             self.error(path, f"environment variable {name} is not set (use ${{{name}:-default}})")
             return ""
 
-        expanded = _ENV.sub(expand, value)
-        return _yaml_scalar(expanded) if _ENV.fullmatch(value) else expanded
+        # The result stays a string even when it is all one variable: the environment holds text, and each
+        # field's parser reads its type from text (ports, booleans, durations), so TOKEN=0012345 stays
+        # "0012345" where YAML would make it the number 5349.
+        return _ENV.sub(expand, value)
 
     def section(self, cls: type[T], path: str, raw: Any, base: T | None = None) -> T:
         """Build dataclass ``cls`` from mapping ``raw``; unknown keys and bad values are errors."""
@@ -462,15 +482,6 @@ class _Loader:
             except _Invalid as exc:
                 self.error(key_path, str(exc))
         return replace(cast(Any, result), **changes)  # type: ignore[no-any-return]
-
-
-def _yaml_scalar(text: str) -> Any:
-    """A value that came whole from the environment is typed as YAML would type it."""
-    try:
-        value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
-        return text
-    return value if isinstance(value, str | int | float | bool) else text
 
 
 def _short(value: Any) -> str:

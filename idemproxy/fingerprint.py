@@ -1,20 +1,151 @@
-"""The request fingerprint: what makes two requests with one key "the same payload"."""
+"""The request fingerprint: what makes two requests with one key "the same payload".
+
+Two requests share a fingerprint only when an upstream cannot tell their payloads apart. The canonical
+JSON form therefore forgets exactly what JSON says carries no meaning (member order, whitespace between
+tokens, how a string is escaped) and nothing else: numbers keep their exact digits, and a body that is not
+plain UTF-8 JSON, repeats a member name, nests deeper than ``MAX_DEPTH`` or holds a string no UTF-8 can
+carry (a lone surrogate escape such as ``"\\ud800"``) is hashed byte for byte. docs/fingerprint.md has the
+rules with examples.
+"""
 
 from __future__ import annotations
 
+import codecs
+import decimal
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from decimal import Decimal
+from operator import itemgetter
 from typing import Any
+
+# Deeper bodies are hashed raw. A fixed cap keeps the result independent of how deep the caller's stack
+# happens to be (json's C scanner raises RecursionError somewhere near the interpreter's limit) and bounds
+# the copying of nested members to MAX_DEPTH passes over the body.
+MAX_DEPTH = 64
+
+# json's own escaper (the C one when available), as json.dumps(..., ensure_ascii=False) uses it: it escapes
+# '"', '\\' and control characters and leaves every other character as itself.
+_quote: Callable[[str], str] = json.encoder.encode_basestring
+_LITERALS = {True: "true", False: "false", None: "null"}
+_by_name = itemgetter(0)
+
+
+class _Refused(ValueError):
+    """JSON that is hashed raw instead: a repeated member name, too deep, or NaN/Infinity."""
+
+
+# The decoder hands every number over as a Decimal made from its source text: exact, so no two numbers merge
+# unless they spell one decimal with the same digits (1e2, 1E2 and 1e+2 do; 1, 1.0 and 1.00 do not). An
+# object or array becomes a tuple (canonical text, nesting depth), innermost first.
+_Node = tuple[str, int]
+
+
+def _canonical(value: Any, level: int) -> _Node:
+    """A decoded value's canonical text and nesting depth.
+
+    ``level``: how many arrays enclose ``value`` in the walk that reached it.
+    """
+    kind = type(value)
+    if kind is str:
+        return _quote(value), 0
+    if kind is Decimal:
+        return str(value), 0
+    if kind is tuple:
+        return value  # type: ignore[no-any-return]
+    if kind is list:
+        if level >= MAX_DEPTH:
+            raise _Refused("nested too deep")
+        return _array(value, level + 1)
+    return _LITERALS[value], 0
+
+
+def _array(items: list[Any], level: int) -> _Node:
+    # Arrays have no decoder hook, so nested arrays are walked here, top down; ``level`` stops the walk
+    # at MAX_DEPTH. Objects inside them are canonical already. Scalars are inlined: this loop runs once
+    # per array element of every body.
+    depth = 0
+    parts: list[str] = []
+    append = parts.append
+    for item in items:
+        kind = type(item)
+        if kind is Decimal:
+            append(str(item))
+        elif kind is str:
+            append(_quote(item))
+        else:
+            text, inner = _canonical(item, level)
+            append(text)
+            if inner > depth:
+                depth = inner
+    if depth >= MAX_DEPTH:
+        raise _Refused("nested too deep")
+    return "[" + ",".join(parts) + "]", depth + 1
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Node:
+    """The decoder's hook for every object, innermost first: members sorted by name, duplicates refused."""
+    pairs.sort(key=_by_name)
+    depth = 0
+    parts: list[str] = []
+    append = parts.append
+    previous = None
+    for name, value in pairs:
+        if name == previous:
+            raise _Refused("duplicate member name")
+        previous = name
+        kind = type(value)
+        if kind is str:
+            append(_quote(name) + ":" + _quote(value))
+        elif kind is Decimal:
+            append(_quote(name) + ":" + str(value))
+        else:
+            text, inner = _canonical(value, 0)
+            append(_quote(name) + ":" + text)
+            if inner > depth:
+                depth = inner
+    if depth >= MAX_DEPTH:
+        raise _Refused("nested too deep")
+    return "{" + ",".join(parts) + "}", depth + 1
+
+
+def _no_constants(name: str) -> Any:
+    raise _Refused(f"{name} is not JSON")
+
+
+_decoder = json.JSONDecoder(
+    object_pairs_hook=_object, parse_float=Decimal, parse_int=Decimal, parse_constant=_no_constants
+)
+# A number Decimal cannot hold (an exponent past about 10**18) must raise rather than become NaN, whatever
+# the thread's decimal context says.
+_STRICT = decimal.Context(traps=[decimal.InvalidOperation])
 
 
 def canonical_json(body: bytes) -> bytes | None:
-    """``body`` as canonical JSON (sorted keys, no whitespace), or None when it is not JSON."""
-    try:
-        value: Any = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    """``body`` in canonical JSON form, or None when it is to be hashed byte for byte.
+
+    Canonical: members sorted by their decoded names, no whitespace, strings re-escaped as
+    ``json.dumps(ensure_ascii=False)`` does, numbers exact (as Decimal writes them: 1e2 is 1E+2). None for
+    anything but UTF-8 JSON without a BOM, and for JSON with a repeated member name, nesting deeper than
+    MAX_DEPTH, a lone surrogate, NaN/Infinity or an exponent no Decimal holds.
+    """
+    if body.startswith(codecs.BOM_UTF8):
         return None
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        with decimal.localcontext(_STRICT):
+            text, _ = _canonical(_decoder.decode(body.decode("utf-8")), 0)
+        return text.encode("utf-8")  # a lone surrogate escape fails here: UnicodeEncodeError
+    except (ValueError, ArithmeticError, RecursionError):
+        # RecursionError: nesting far past MAX_DEPTH reaches the interpreter's limit inside the decoder.
+        return None
+
+
+def _wire_bytes(text: str) -> bytes:
+    """The bytes a header value or request target came as (aiohttp decodes them utf-8/surrogateescape)."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no wire bytes decode to: still one distinct encoding, no crash
+        return text.encode("utf-8", "surrogatepass")
 
 
 def fingerprint(
@@ -27,9 +158,9 @@ def fingerprint(
 ) -> str:
     """SHA-256 (hex) over method, raw path+query, the chosen headers and the body.
 
-    Each part is length-prefixed so that no two different requests can share one byte stream.
-    With ``canonical``, a JSON body is hashed in canonical form so key order and whitespace are
-    ignored; any other body is hashed byte for byte.
+    Each part is length-prefixed so that no two different requests can share one byte stream. Text parts
+    are hashed as the bytes that came over the wire. With ``canonical``, a JSON body is hashed in canonical
+    form (see :func:`canonical_json`); any other body is hashed byte for byte.
     """
     digest = hashlib.sha256()
 
@@ -37,11 +168,11 @@ def fingerprint(
         digest.update(len(data).to_bytes(8, "big"))
         digest.update(data)
 
-    part(method.upper().encode())
-    part(path_qs.encode("latin-1", "replace"))
+    part(_wire_bytes(method.upper()))
+    part(_wire_bytes(path_qs))
     for name, value in headers:
-        part(name.lower().encode("latin-1", "replace"))
-        part(value.encode("latin-1", "replace"))
+        part(_wire_bytes(name.lower()))
+        part(_wire_bytes(value))
     if canonical:
         normal = canonical_json(body)
         if normal is not None:

@@ -176,3 +176,75 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"upstream": {"url": "http://a:1"}, "listen": {"port": 1000}}))
     config = load_config_file(path, env={}, overrides={"upstream.url": "http://b:2", "listen.port": 2000})
     assert config.upstream.url == "http://b:2" and config.listen.port == 2000
+
+
+# --------------------------------------------------------------------------- text YAML would retype
+
+
+def from_yaml(text: str, env: dict[str, str] | None = None) -> Any:
+    upstream = "" if "upstream:" in text else "upstream: {url: 'http://127.0.0.1:9000'}\n"
+    return load_config(yaml.safe_load(upstream + text), env=env or {})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("tenant: {static: 0012345}", "tenant.static: 5349 is not a string: YAML read the unquoted value as a "
+                                      "number; quote it"),
+        ("tenant: {static: on}", "tenant.static: True is not a string: YAML read the unquoted value as a boolean; "
+                                 "quote it"),
+        ("tenant: {static: 1.50}", "tenant.static: 1.5 is not a string"),
+        ("tenant: {static: 2024-01-02}", "YAML read the unquoted value as a date; quote it"),
+        ("storage: {redis: {url: 'redis://r:6379/0', key_prefix: 007}, postgres: {dsn: 'postgresql://h/db'}}",
+         "storage.redis.key_prefix: 7 is not a string"),
+        ("listen: {host: 10}", "listen.host: 10 is not a string"),
+        ("idempotency: {fingerprint_headers: [X-Account, 42]}", "idempotency.fingerprint_headers: 42 is not a string"),
+        ("storage: {embedded: {path: yes}}", "storage.embedded.path: True is not a string"),
+    ],
+)
+def test_a_string_yaml_typed_as_a_number_or_boolean_is_refused_not_converted(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_yaml(text)
+    assert any(expected in error for error in info.value.errors), info.value.errors
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("admin: {token: 0012345}", "admin.token"),
+        ("admin: {token: 12_345}", "admin.token"),
+        ("admin: {token: on}", "admin.token"),
+        ("storage: {postgres: {dsn: 5432}}", "storage.postgres.dsn"),
+        ("storage: {redis: {url: 6379}, postgres: {dsn: 'postgresql://h/db'}}", "storage.redis.url"),
+    ],
+)
+def test_a_secret_yaml_typed_as_a_number_or_boolean_is_refused_without_showing_it(text: str, path: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_yaml(text)
+    [error] = [e for e in info.value.errors if e.startswith(path)]
+    assert "quote it" in error and "not shown" in error
+    assert not any(digits in error for digits in ("5349", "12345", "5432", "6379", "True"))
+
+
+def test_quoted_values_are_kept_as_written() -> None:
+    config = from_yaml("admin: {token: '0012345'}\ntenant: {static: \"on\"}\nlog: {access: off}")
+    assert config.admin.token.reveal() == "0012345" and config.tenant.static == "on"
+    assert config.log.access == "OFF"  # unquoted off is YAML's false: the documented way to say off
+
+
+@pytest.mark.parametrize("value", ["0012345", "on", "1e3", "12_345", "true", "5349", "0x1F", "~", "null"])
+def test_a_whole_value_from_the_environment_stays_the_string_it_gave(value: str) -> None:
+    config = from_yaml("admin: {token: '${TOKEN}'}\ntenant: {static: '${TENANT}'}",
+                       env={"TOKEN": value, "TENANT": value})
+    assert config.admin.token.reveal() == value and config.tenant.static == value
+
+
+def test_typed_fields_still_read_their_type_from_environment_text() -> None:
+    config = from_yaml(
+        "listen: {port: '${PORT}'}\nupstream: {url: 'http://u:1', forward_key: '${FWD}', timeout: '${T}'}\n"
+        "idempotency: {release_statuses: ['${S}'], required: '${REQ}', max_request_body: '${SIZE}'}",
+        env={"PORT": "08080", "FWD": "off", "T": "1.5", "S": "429", "REQ": "yes", "SIZE": "2KiB"},
+    )
+    assert config.listen.port == 8080 and config.upstream.forward_key is False and config.upstream.timeout == 1.5
+    idem = config.idempotency
+    assert idem.release_statuses == (429,) and idem.required is True and idem.max_request_body == 2048

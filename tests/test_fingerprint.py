@@ -1,15 +1,26 @@
-"""Property tests: JSON that differs only in key order or whitespace has one fingerprint; a value change differs."""
+"""The fingerprint: JSON that differs only in member order, whitespace or escaping has one fingerprint; any other
+difference an upstream could read (a digit, a repeated name, an encoding, a header byte) gives another, and no
+body crashes it. Property tests state it; the cases of issue #14 pin it; the end-to-end tests go through a real
+proxy with bytes sent over a real socket."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
+import re
+import sys
+from decimal import Decimal
 from typing import Any
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from idemproxy.fingerprint import fingerprint
+from idemproxy.fingerprint import MAX_DEPTH, canonical_json, fingerprint
+from tests.conftest import ProxyFactory
+from tests.rawhttp import build_request, send_raw
+from tests.upstream import RecordingUpstream
 
 scalars = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.text(max_size=12)
 documents = st.recursive(
@@ -78,3 +89,361 @@ def test_method_path_headers_and_raw_bodies_all_count() -> None:
     assert base != fingerprint("POST", "/a?x=1", (("x-h", "2"),), b"raw", canonical=True)
     assert base != fingerprint("POST", "/a?x=1", (("x-h", "1"),), b"raw ", canonical=True)
     assert fp(b'{"a":1}', canonical=False) != fp(b'{"a": 1}', canonical=False)  # byte-exact when off
+
+
+# --------------------------------------------------------------------------- canonical JSON, exactly
+#
+# A JSON text is drawn as a tree; the same tree can be written many ways (member order, whitespace, how each
+# character of a string is escaped, how an exponent is spelled). ``meaning`` is the value an upstream reads,
+# computed from the tree without json's decoder: objects as sets of members, numbers as (sign, coefficient,
+# exponent), strings as their characters. A tree that repeats a member name or holds a lone surrogate has
+# no canonical form: such a body is hashed byte for byte.
+
+Tree = tuple[str, Any]
+SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+                 "\t": "\\t"}
+NUMBER = re.compile(r"(-?)(0|[1-9][0-9]*)(?:\.([0-9]+))?(?:[eE]([+-]?[0-9]+))?")
+
+
+@st.composite
+def number_texts(draw: st.DrawFn) -> str:
+    sign = draw(st.sampled_from(["", "-"]))
+    whole = draw(st.sampled_from(["0", "1", "9", "100", "12345678901234567890"]) | st.integers(0, 10**30).map(str))
+    frac = draw(st.none() | st.text("0123456789", min_size=1, max_size=20))
+    exp = draw(st.none() | st.integers(-500, 500))
+    text = sign + whole + ("" if frac is None else "." + frac)
+    if exp is not None:
+        marker = draw(st.sampled_from(["e", "E"]))
+        plus = "+" if exp >= 0 and draw(st.booleans()) else ""
+        text += marker + plus + str(exp)
+    return text
+
+
+strings = st.text(st.characters(codec=None), max_size=8) | st.sampled_from(["", "a", "é", "😀", "\ud800", "\udcff"])
+names = st.sampled_from(["a", "b", "amount", "é", "😀", "\u0000"]) | st.text(max_size=3)
+
+trees: st.SearchStrategy[Tree] = st.recursive(
+    st.tuples(st.just("num"), number_texts())
+    | st.tuples(st.just("str"), strings)
+    | st.tuples(st.just("lit"), st.sampled_from(["true", "false", "null"])),
+    lambda children: st.tuples(st.just("arr"), st.lists(children, max_size=4))
+    | st.tuples(st.just("obj"), st.lists(st.tuples(names, children), max_size=4)),
+    max_leaves=16,
+)
+
+
+def meaning(tree: Tree) -> Any:
+    """What an upstream reads from any writing of ``tree``; None when it has no canonical form."""
+    kind, value = tree
+    if kind == "num":
+        sign, whole, frac, exp = NUMBER.fullmatch(value).groups()  # type: ignore[union-attr]
+        frac = frac or ""
+        return ("num", sign == "-", int(whole + frac), int(exp or 0) - len(frac))
+    if kind == "str":
+        return None if any(0xD800 <= ord(ch) <= 0xDFFF for ch in value) else ("str", value)
+    if kind == "lit":
+        return value
+    parts = [meaning(child) for child in (value if kind == "arr" else [v for _, v in value])]
+    if None in parts:
+        return None
+    if kind == "arr":
+        return ("arr", *parts)
+    keys = [meaning(("str", k)) for k, _ in value]
+    if None in keys or len(set(keys)) != len(keys):
+        return None
+    return ("obj", frozenset(zip(keys, parts, strict=True)))
+
+
+def write(tree: Tree, rng: random.Random) -> str:
+    """One of the many JSON texts of ``tree``."""
+    kind, value = tree
+    ws = "".join(rng.choice(" \t\n\r") for _ in range(rng.choice([0, 0, 0, 1, 2])))
+    if kind == "num":
+        return ws + value
+    if kind == "str":
+        return ws + write_string(value, rng)
+    if kind == "lit":
+        return ws + value
+    if kind == "arr":
+        return ws + "[" + ",".join(write(child, rng) for child in value) + ws + "]"
+    members = list(value)
+    rng.shuffle(members)
+    return ws + "{" + ",".join(write_string(k, rng) + ws + ":" + write(v, rng) for k, v in members) + ws + "}"
+
+
+def write_string(text: str, rng: random.Random) -> str:
+    out = []
+    for ch in text:
+        code = ord(ch)
+        must = ch in '"\\' or code < 0x20 or 0xD800 <= code <= 0xDFFF
+        if not must and rng.random() < 0.7:
+            out.append(ch)
+        elif ch in SHORT_ESCAPES and rng.random() < 0.5:
+            out.append(SHORT_ESCAPES[ch])
+        elif code > 0xFFFF:
+            high, low = divmod(code - 0x10000, 0x400)
+            out.append(f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04X}")
+        else:
+            out.append(f"\\u{code:04x}" if rng.random() < 0.5 else f"\\u{code:04X}")
+    return '"' + "".join(out) + '"'
+
+
+def read_meaning(canonical: bytes) -> Any:
+    """The meaning of a canonical body, read back with json (numbers through Decimal: exact)."""
+
+    def obj(pairs: list[tuple[str, Any]]) -> Any:
+        keys = [("str", k) for k, _ in pairs]
+        assert len(set(keys)) == len(keys), "a canonical object repeats a name"
+        return ("obj", frozenset((key, v) for key, (_, v) in zip(keys, pairs, strict=True)))
+
+    def num(text: str) -> Any:
+        sign, exponent = Decimal(text).as_tuple()[0], Decimal(text).as_tuple()[2]
+        assert isinstance(exponent, int)
+        digits = int("".join(map(str, Decimal(text).as_tuple()[1])))
+        return ("num", bool(sign), digits, exponent)
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, list):
+            return ("arr", *(convert(v) for v in value))
+        if isinstance(value, str):
+            return ("str", value)
+        if value is True or value is False or value is None:
+            return json.dumps(value)
+        return value
+
+    return convert(json.loads(canonical, object_pairs_hook=lambda p: obj([(k, convert(v)) for k, v in p]),
+                              parse_float=num, parse_int=num))
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree=trees, seed=st.integers(0, 2**32))
+def test_the_canonical_form_means_exactly_what_the_body_means(tree: Tree, seed: int) -> None:
+    body = write(tree, random.Random(seed)).encode("utf-8", "surrogatepass")
+    canonical = canonical_json(body)
+    if meaning(tree) is None:
+        assert canonical is None
+    else:
+        assert canonical is not None and read_meaning(canonical) == meaning(tree)
+        assert canonical_json(canonical) == canonical  # a fixed point
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree=trees, seeds=st.tuples(st.integers(0, 2**32), st.integers(0, 2**32)))
+def test_order_whitespace_and_escapes_never_change_the_fingerprint(tree: Tree, seeds: tuple[int, int]) -> None:
+    assume(meaning(tree) is not None)
+    one, two = (write(tree, random.Random(seed)).encode() for seed in seeds)
+    assert fp(one) == fp(two)
+
+
+def nudged(tree: Tree, rng: random.Random) -> Tree:
+    """``tree`` with some leaves respelled or changed slightly: 1e2 → 1E+2 (same), 100.1 → 100.10 (not)."""
+    kind, value = tree
+    if kind == "arr":
+        return kind, [nudged(child, rng) for child in value]
+    if kind == "obj":
+        return kind, [(nudged(("str", k), rng)[1], nudged(v, rng)) for k, v in value]
+    if rng.random() < 0.6:
+        return tree
+    if kind == "str":
+        return kind, value + rng.choice(["", "a", "\x00", "\ud800"])
+    if kind == "lit":
+        return kind, rng.choice(["true", "false", "null"])
+    sign, whole, frac, exp = NUMBER.fullmatch(value).groups()  # type: ignore[union-attr]
+    change = rng.choice(["marker", "plus", "zero", "digit", "sign", "exp"])
+    if change == "marker" and exp is not None:
+        return kind, value.replace("e", "E") if "e" in value else value.replace("E", "e")
+    if change == "plus" and exp is not None and not exp.startswith("-"):
+        return kind, value.replace("+", "") if "+" in value else value.replace("e", "e+").replace("E", "E+")
+    if change == "zero":
+        return kind, f"{sign}{whole}.{frac or ''}0" + (f"e{exp}" if exp is not None else "")
+    if change == "digit":
+        return kind, f"{sign}{whole}" + (f".{frac[:-1]}{(int(frac[-1]) + 1) % 10}" if frac else "")
+    if change == "sign":
+        return kind, value[1:] if sign else "-" + value
+    return kind, f"{sign}{whole}" + (f".{frac}" if frac else "") + f"e{int(exp or 0) + rng.choice([-1, 1])}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree=trees, seeds=st.tuples(st.integers(0, 2**32), st.integers(0, 2**32), st.integers(0, 2**32)))
+def test_bodies_share_a_fingerprint_only_when_they_mean_the_same(
+    tree: Tree, seeds: tuple[int, int, int]
+) -> None:
+    other = nudged(tree, random.Random(seeds[2]))
+    one, two = (write(t, random.Random(s)).encode("utf-8", "surrogatepass")
+                for t, s in ((tree, seeds[0]), (other, seeds[1])))
+    same = meaning(tree) is not None and meaning(tree) == meaning(other)
+    assert (fp(one) == fp(two)) == (same or one == two)
+
+
+# --------------------------------------------------------------------------- the cases of issue #14
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [
+        (b'{"amount":12345678901234567890.1}', b'{"amount":12345678901234567890.2}'),  # past float precision
+        (b'{"amount":100.10000000000000001}', b'{"amount":100.1}'),
+        (b'{"amount":1e400}', b'{"amount":2e400}'),  # both Infinity as floats
+        (b'{"amount":1.0}', b'{"amount":1}'),  # equal in value, spelled differently: kept apart (safe)
+        (b'{"amount":-0}', b'{"amount":0}'),
+        (b'{"amount":1,"amount":2}', b'{"amount":2}'),  # a repeated name is never merged
+        (b'{"amount":2,"amount":1}', b'{"amount":1,"amount":2}'),  # nor reordered
+        (b'{"a":"\\u0041","\\u0061":1}', b'{"a":"A"}'),
+        (codecs.BOM_UTF8 + b'{"amount":1}', b'{"amount":1}'),
+        ('{"amount":1}'.encode("utf-16"), b'{"amount":1}'),
+        ('{"amount":1}'.encode("utf-16-le"), b'{"amount":1}'),
+        ('{"amount":1}'.encode("utf-32"), b'{"amount":1}'),
+        (b'{"a":"\\ud800"}', b'{"a":"\\udc00"}'),
+        (b'{"a":NaN}', b'{"a":Infinity}'),
+        (b'{"a":1e999999999999999999999}', b'{"a":2e999999999999999999999}'),  # past what Decimal holds
+        (b'{"a":1}\x0b', b'{"a":1}'),  # not JSON whitespace
+        (b'{"a":1}\xc2\xa0', b'{"a":1}'),
+    ],
+)
+def test_payloads_an_upstream_can_tell_apart_never_share_a_fingerprint(one: bytes, two: bytes) -> None:
+    assert fp(one) != fp(two)
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [
+        (b'{"amount":1E+2,"currency":"eur"}', b'{ "currency" : "eur" , "amount" : 1e2 }'),
+        (b'{"note":"\\u00e9\\/\\n"}', '{"note":"é/\\n"}'.encode()),
+        (b'{"emoji":"\\ud83d\\ude00"}', '{"emoji":"😀"}'.encode()),
+        (b'[12345678901234567890.1]', b'[ 12345678901234567890.1 ]'),
+    ],
+)
+def test_spelling_differences_json_gives_no_meaning_share_a_fingerprint(one: bytes, two: bytes) -> None:
+    assert fp(one) == fp(two)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a":"\\ud800"}', b'["\\udfff", "x"]', b'{"\\ud800":1}',
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"a":' * 200_000 + b"1" + b"}" * 200_000,
+        b"[" * 200_000,
+        b'{"a":1e999999999999999999999}', b"1" * 5000, b'{"a":1,"a":{"b":[NaN]}}',
+        b"\xff\xfe\x00", codecs.BOM_UTF8, b"",
+    ],
+)
+def test_hostile_bodies_are_hashed_raw_and_never_crash(body: bytes) -> None:
+    assert canonical_json(body) is None or body == b"1" * 5000
+    assert fp(body) == fp(body)
+
+
+def nested(depth: int) -> bytes:
+    """``depth`` levels, objects and arrays alternating."""
+    opening = "".join('{"k":' if level % 2 else "[" for level in range(depth))
+    closing = "".join("}" if level % 2 else "]" for level in reversed(range(depth)))
+    return (opening + "1" + closing).encode()
+
+
+def at_stack_depth(frames: int, call: Any) -> Any:
+    return call() if frames == 0 else at_stack_depth(frames - 1, call)
+
+
+def test_nesting_has_a_fixed_cap_whatever_the_callers_stack() -> None:
+    """Up to MAX_DEPTH levels are canonical, deeper ones raw: the same answer at any stack depth, so a retry
+    of one body never gets another fingerprint because it was hashed from a deeper call."""
+    limit = sys.getrecursionlimit()
+    for frames in (0, limit // 2, limit - MAX_DEPTH * 3):
+        assert at_stack_depth(frames, lambda: canonical_json(nested(MAX_DEPTH))) is not None
+        assert at_stack_depth(frames, lambda: canonical_json(nested(MAX_DEPTH + 1))) is None
+        assert at_stack_depth(frames, lambda: canonical_json(nested(900))) is None
+    assert canonical_json(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None
+    assert canonical_json(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)) is None
+
+
+def test_ordinary_bodies_keep_the_fingerprint_they_had_before_issue_14() -> None:
+    """Integers, short decimals, strings and literals canonicalise to the bytes the float-based version gave,
+    so a retry that spans the upgrade is still a replay, not a 422."""
+    body = (b'{"amount": 1000, "currency": "eur", "capture": true, "ratio": 0.5, "note": "caf\\u00e9 \\"A\\"",'
+            b' "metadata": {"order_id": "6735", "tags": ["a", null]}}')
+    assert canonical_json(body) == json.dumps(
+        json.loads(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode()
+    # Both digests as the version before issue #14 (commit bd901cc) computed them.
+    assert fp(body) == "aafa23ceb0643ca89d1f681ffe4231c0dc244367c8b5e99e285c3645fe625c79"
+    assert fingerprint("post", "/v1/charges?expand=customer", [("X-Account", "acct_1")], b'{"b": [1, 2], "a": "x"}',
+                       canonical=True) == "fde97207e216ad183d5ba1ab9a62d1935298d64243fec07685445ca7f41b00ff"
+
+
+# --------------------------------------------------------------------------- method, path, headers
+
+
+@pytest.mark.parametrize(
+    ("one", "two"),
+    [
+        ("Ж", "Ω"),  # outside latin-1: both were b"?"
+        ("\udcff", "?"),  # the byte 0xFF (obs-text; aiohttp hands it over as a surrogate escape) vs "?"
+        ("\udcff", "ÿ"),  # the byte 0xFF vs U+00FF (bytes C3 BF)
+        ("\udcff\udcfe", "\udcfe\udcff"),
+    ],
+)
+def test_header_values_are_hashed_as_their_wire_bytes(one: str, two: str) -> None:
+    def with_header(value: str) -> str:
+        return fingerprint("POST", "/v1/charges", (("x-account", value),), b"{}", canonical=True)
+
+    assert with_header(one) != with_header(two)
+
+
+def test_the_path_is_hashed_as_its_wire_bytes() -> None:
+    # aiohttp's pure-Python parser hands a non-UTF-8 target over with surrogate escapes; "/a\udcff" was "/a?".
+    assert fingerprint("POST", "/a\udcff", (), b"", canonical=True) != fingerprint("POST", "/a?", (), b"",
+                                                                                   canonical=True)
+    assert fingerprint("POST", "/\ud800", (), b"", canonical=True)  # not from any wire, still no crash
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def charge(key: bytes, account: bytes, body: bytes = b'{"amount":1000}') -> bytes:
+    headers = [(b"Authorization", b"Bearer t1"), (b"Idempotency-Key", key), (b"X-Account", account),
+               (b"Content-Type", b"application/json")]
+    return build_request(b"POST", b"/v1/charges", headers, body)
+
+
+@pytest.mark.parametrize(("first", "second"), [("Ж".encode(), "Ω".encode()), (b"\xff", b"\xfe")])
+async def test_a_fingerprint_header_outside_latin_1_is_a_mismatch_not_a_replay(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, first: bytes, second: bytes
+) -> None:
+    proxy = await make_proxy("embedded", idempotency={"fingerprint_headers": ["X-Account"]})
+    executed = await send_raw(proxy.url, charge(b"k-acct", first))
+    assert executed.status == 201 and executed.headers["idempotent-replayed"] == "false"
+    other = await send_raw(proxy.url, charge(b"k-acct", second))
+    assert other.status == 422 and json.loads(other.body)["code"] == "payload_mismatch"
+    again = await send_raw(proxy.url, charge(b"k-acct", first))
+    assert again.status == 201 and again.headers["idempotent-replayed"] == "true"
+    assert upstream.count(key="k-acct") == 1
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (b'{"amount":12345678901234567890.1}', b'{"amount":12345678901234567890.2}'),
+        (b'{"amount":1,"amount":2}', b'{"amount":2}'),
+        (codecs.BOM_UTF8 + b'{"amount":2}', b'{"amount":2}'),
+    ],
+)
+async def test_a_payload_the_upstream_reads_differently_is_a_mismatch_not_a_replay(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, first: bytes, second: bytes
+) -> None:
+    proxy = await make_proxy("embedded")
+    assert (await send_raw(proxy.url, charge(b"k-body", b"a", first))).status == 201
+    other = await send_raw(proxy.url, charge(b"k-body", b"a", second))
+    assert other.status == 422 and json.loads(other.body)["code"] == "payload_mismatch"
+    assert upstream.count(key="k-body") == 1
+
+
+async def test_a_lone_surrogate_escape_is_forwarded_and_replayed_not_500(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded")
+    body = b'{"name":"\\ud800"}'
+    first = await send_raw(proxy.url, charge(b"k-sur", b"a", body))
+    again = await send_raw(proxy.url, charge(b"k-sur", b"a", body))
+    assert (first.status, again.status) == (201, 201)
+    assert again.headers["idempotent-replayed"] == "true" and again.body == first.body
+    assert upstream.executed[0].body == body
