@@ -49,7 +49,9 @@ from idemproxy.problems import (
 )
 from idemproxy.proxy import (
     CHUNK,
+    REQUEST_ID,
     Upstream,
+    Upstreams,
     client_response_headers,
     filter_headers,
     read_at_most,
@@ -73,6 +75,7 @@ _UNKNOWN_STATUSES = frozenset({502, 504})  # the upstream (or a gateway before i
 class _Exchange:
     """What one request did, for metrics and the access log."""
 
+    upstream: Upstream  # the route's upstream, chosen once per request
     outcome: str = "passthrough"
     upstream_seconds: float = 0.0
     tenant: str = ""
@@ -131,10 +134,10 @@ def short_hash(value: str) -> str:
 class Engine:
     """Serves every request on the proxy port."""
 
-    def __init__(self, config: Config, store: Store, upstream: Upstream, metrics: Metrics) -> None:
+    def __init__(self, config: Config, store: Store, upstreams: Upstreams, metrics: Metrics) -> None:
         self.config = config
         self.store = store
-        self.upstream = upstream
+        self.upstreams = upstreams
         self.metrics = metrics
         self._tasks: set[asyncio.Task[_Forwarded]] = set()
         # Access lines are written at the configured level (so "debug" hides them under an info root).
@@ -152,7 +155,7 @@ class Engine:
         started = time.perf_counter()
         route = self.config.route_for(request.path)
         idem = route.idempotency if route is not None else self.config.idempotency
-        exchange = _Exchange()
+        exchange = _Exchange(upstream=self.upstreams.for_route(route))
         try:
             if (route is not None and not route.enabled) or request.method not in idem.methods:
                 response = await self._passthrough(request, exchange)
@@ -184,7 +187,7 @@ class Engine:
                 "outcome": ex.outcome, "status": ex.status, "route": route,
                 "tenant": self._loggable_tenant(ex.tenant), "key_hash": short_hash(ex.key),
                 "duration_ms": round(total * 1000, 3),
-                "upstream_ms": round(ex.upstream_seconds * 1000, 3),
+                "upstream_ms": round(ex.upstream_seconds * 1000, 3), "request_id": request.get(REQUEST_ID, ""),
             },
         )
 
@@ -202,7 +205,7 @@ class Engine:
 
     async def _passthrough(self, request: web.Request, ex: _Exchange) -> web.StreamResponse:
         ex.outcome = "passthrough"
-        return await self._timed_upstream(ex, lambda: self.upstream.passthrough(request))
+        return await self._timed_upstream(ex, lambda: ex.upstream.passthrough(request))
 
     # ------------------------------------------------------------------ covered requests
 
@@ -283,7 +286,8 @@ class Engine:
         if record.fingerprint != fp:
             ex.outcome = "payload_mismatch"
             raise PayloadMismatch(
-                "This idempotency key was already used with a different request payload."
+                "This idempotency key was already used with a different request payload.",
+                status=idem.mismatch_status,
             )
         if record.state is State.COMPLETED:
             ex.outcome = "replayed"
@@ -291,7 +295,7 @@ class Engine:
         lease_left = (record.lease_expires_at or claim.now) - claim.now
         raise InFlight(
             "A request with this idempotency key is still being processed; retry later.",
-            lease_expires_in=lease_left,
+            lease_expires_in=lease_left, status=idem.in_flight_status,
         )
 
     def _replay(self, claim: Claim, idem: IdempotencyConfig) -> web.Response:
@@ -344,13 +348,13 @@ class Engine:
         self, request: web.Request, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
     ) -> _Forwarded:
         """Forward once; then store, release or keep the lease (outcome table) before answering."""
-        headers = upstream_request_headers(request, drop=() if self.config.upstream.forward_key
+        headers = upstream_request_headers(request, drop=() if ex.upstream.config.forward_key
                                            else (idem.header,))
         started = time.perf_counter()
         try:
             with upstream_errors():
-                async with asyncio.timeout(self.config.upstream.timeout):
-                    upstream = await self.upstream.send(request, headers, body)
+                async with asyncio.timeout(ex.upstream.config.timeout):
+                    upstream = await ex.upstream.send(request, headers, body)
                     head, complete = await read_at_most(upstream, idem.max_stored_response)
         except UpstreamUnreachable:
             await self._settle(self.store.release(claim), "release")
@@ -361,7 +365,7 @@ class Engine:
         finally:
             ex.upstream_seconds += time.perf_counter() - started
         try:
-            await self._settle_answer(claim, idem, upstream, head, complete)
+            await self._settle_answer(claim, idem, upstream, head, complete, request.get(REQUEST_ID, ""))
         except BaseException:
             upstream.release()
             raise
@@ -369,12 +373,12 @@ class Engine:
 
     async def _settle_answer(
         self, claim: Claim, idem: IdempotencyConfig, upstream: aiohttp.ClientResponse,
-        head: bytes, complete: bool,
+        head: bytes, complete: bool, request_id: str = "",
     ) -> None:
         status = upstream.status
         stored = StoredResponse(
             status=status,
-            headers=tuple(replay_headers(upstream, idem).items()),
+            headers=tuple(replay_headers(upstream, idem, request_id).items()),
             body=head if complete else None,
         )
         if status in idem.release_statuses or (status >= 500 and not idem.store_5xx
@@ -420,7 +424,7 @@ class Engine:
                     request.method, request.path)
 
         async def call() -> web.StreamResponse:
-            upstream = await self.upstream.send(request, upstream_request_headers(request), body)
+            upstream = await ex.upstream.send(request, upstream_request_headers(request), body)
             try:
                 return await stream_response(
                     request, upstream,
@@ -432,11 +436,18 @@ class Engine:
         return await self._timed_upstream(ex, call)
 
 
-def replay_headers(upstream: aiohttp.ClientResponse, idem: IdempotencyConfig) -> CIMultiDict[str]:
-    """The headers a replay may carry: no hop-by-hop, Date, Content-Length or stripped names."""
-    drop = {"date", "content-length", idem.replay_header.lower()}
+def replay_headers(
+    upstream: aiohttp.ClientResponse, idem: IdempotencyConfig, request_id: str = ""
+) -> CIMultiDict[str]:
+    """The headers a replay may carry: no hop-by-hop, Date, Content-Length or stripped names; plus the
+    executing request's id as Original-Request-Id (only replays carry it: the live answer is not built
+    from these)."""
+    drop = {"date", "content-length", idem.replay_header.lower(), "original-request-id"}
     drop.update(name.lower() for name in idem.strip_replay_headers)
-    return filter_headers(upstream.headers, drop=drop)
+    headers = filter_headers(upstream.headers, drop=drop)
+    if request_id:
+        headers["Original-Request-Id"] = request_id
+    return headers
 
 
 def problem_response(problem: Problem) -> StoredResponse:

@@ -61,6 +61,10 @@ class Metrics:
             "idemproxy_lease_takeovers", "In-flight records taken over after their lease ran out",
             registry=r,
         )
+        self.store_up = Gauge(
+            "idemproxy_store_up", "1 while the store answers, 0 while it does not (by backend)",
+            ["backend"], registry=r, multiprocess_mode="livemin",
+        )
         self.records_expired = Counter(
             "idemproxy_records_expired", "Records removed or replaced after their TTL", registry=r,
         )
