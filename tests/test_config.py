@@ -124,6 +124,15 @@ def test_bad_configs_name_the_key_and_value(raw: dict[str, Any], expected: str) 
     assert any(expected in error for error in errors), errors
 
 
+def test_the_readme_gateway_example_loads() -> None:
+    readme = Path(__file__).parent.joinpath("..", "README.md").read_text()
+    block = readme.split("## As a gateway", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    env = {"IDEMPROXY_ADMIN_TOKEN": "t", "IDEMPROXY_POSTGRES_DSN": "postgresql://u:p@db:5432/idem"}
+    config = load_config(yaml.safe_load(block), env=env)
+    assert len(config.routes) == 3
+    assert len({config.upstream_for(r).url for r in config.routes}) == 2
+
+
 def test_gateway_keys_and_their_defaults() -> None:
     config = load_config({"upstream": {**UP, "timeout": "50s"}, "routes": [
         # its own upstream is quick, so a short lease is fine although the top-level timeout is long
