@@ -57,6 +57,7 @@ class Proxy:
         self._ready_after_start = ready_after_start
         self._store_states: dict[str, str] = {}
         self._background: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         await self.store.open()
@@ -75,10 +76,12 @@ class Proxy:
     async def stop(self) -> None:
         """Close in reverse order of opening, after the in-flight store writes finished."""
         self.phase = Phase.DRAINING
+        self._stopping.set()
         for task in self._background:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Not awaited unbounded: redis-py can swallow a cancellation mid-command, so the probe also ends by
+        # the flag above, within one probe timeout.
+        await asyncio.wait(self._background, timeout=STORE_PROBE_TIMEOUT + 1)
         await self.engine.drain()
         await self.upstreams.close()
         await self.store.close()
@@ -96,9 +99,10 @@ class Proxy:
         return health
 
     async def _probe_stores_forever(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             await self.check_stores()
-            await asyncio.sleep(STORE_PROBE_INTERVAL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), STORE_PROBE_INTERVAL)
 
     async def sweep_once(self) -> int:
         """Delete expired records in bounded batches until none is left; returns how many."""
