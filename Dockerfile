@@ -2,7 +2,7 @@
 # Build a wheel of idemproxy and its dependencies, then install them into a clean slim image.
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY idemproxy ./idemproxy
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

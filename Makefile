@@ -1,21 +1,30 @@
 # `make demo` and `make test` do all set-up themselves on a fresh clone (Python 3.11+ with venv).
+# The demo needs only the runtime (~50 MB); the test toolchain (servers, linters, validators) is installed
+# only for the targets that use it. Each install has its own stamp, redone when pyproject.toml changes.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUNTIME := $(VENV)/.installed-runtime
+STAMP := $(VENV)/.installed-test
 
 .PHONY: all install demo test lint typecheck validate pytest bench clean
 
 all: test
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+$(RUNTIME): pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install --quiet -e .
+	touch $(RUNTIME)
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUNTIME)
 
-install: $(STAMP)
+install: $(RUNTIME)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(VENV)/bin/idemproxy demo
 
 lint: $(STAMP)

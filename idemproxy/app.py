@@ -1,4 +1,4 @@
-"""Wiring and lifecycle: the proxy app, the admin app, the sweeper, graceful shutdown."""
+"""Wiring and lifecycle: the proxy app, the admin app, the sweeper, readiness, draining and shutdown."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import re
 import signal
+import uuid
 from collections.abc import AsyncIterator
+from enum import StrEnum
 
 from aiohttp import web
 
@@ -15,42 +19,90 @@ from idemproxy.admin import AdminAPI
 from idemproxy.config import Config, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
-from idemproxy.problems import StoreUnavailable, problem_middleware
-from idemproxy.proxy import Upstream
+from idemproxy.problems import Handler, StoreUnavailable, problem_middleware
+from idemproxy.proxy import HEADER_POLICY, REQUEST_ID, UPSTREAM_SERVER, HeaderPolicy, Upstreams
 from idemproxy.store import Store, build_store
+from idemproxy.store.base import Health
 
 log = logging.getLogger("idemproxy")
 
 SWEEP_INTERVAL = 30.0  # seconds between sweeps; expired records are claimable anyway, this reclaims space
 SWEEP_BATCH = 1000
+STORE_PROBE_INTERVAL = 10.0  # seconds between background store checks feeding idemproxy_store_up
+STORE_PROBE_TIMEOUT = 2.0  # a store that does not answer a ping within this is reported unavailable
+
+_WELL_FORMED_ID = re.compile(r"[\x21-\x7e]{1,128}")  # 1-128 visible ASCII characters
+
+
+class Phase(StrEnum):
+    """Where the process is in its life; only READY takes traffic from a load balancer."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
 
 
 
 class Proxy:
     """One running idemproxy: config, metrics, store, upstream pool and engine."""
 
-    def __init__(self, config: Config, *, store: Store | None = None) -> None:
+    def __init__(self, config: Config, *, store: Store | None = None, ready_after_start: bool = True) -> None:
         self.config = config
         self.metrics = Metrics()
         self.store = store if store is not None else build_store(config.storage, self.metrics)
-        self.upstream = Upstream(config.upstream)
-        self.engine = Engine(config, self.store, self.upstream, self.metrics)
-        self._sweeper: asyncio.Task[None] | None = None
+        self.upstreams = Upstreams(config)
+        self.engine = Engine(config, self.store, self.upstreams, self.metrics)
+        self.phase = Phase.STARTING
+        # serve() marks the process ready itself, once the proxy port listens.
+        self._ready_after_start = ready_after_start
+        self._store_states: dict[str, str] = {}
+        self._background: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         await self.store.open()
-        await self.upstream.open()
-        self._sweeper = asyncio.create_task(self._sweep_forever(), name="idemproxy-sweeper")
+        await self.upstreams.open()
+        self._background = [
+            asyncio.create_task(self._sweep_forever(), name="idemproxy-sweeper"),
+            asyncio.create_task(self._probe_stores_forever(), name="idemproxy-store-probe"),
+        ]
+        if self._ready_after_start:
+            self.phase = Phase.READY
+
+    def begin_draining(self) -> None:
+        """From now on /readyz answers 503 so load balancers stop sending; requests are still served."""
+        self.phase = Phase.DRAINING
 
     async def stop(self) -> None:
         """Close in reverse order of opening, after the in-flight store writes finished."""
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        self.phase = Phase.DRAINING
+        self._stopping.set()
+        for task in self._background:
+            task.cancel()
+        # Not awaited unbounded: redis-py can swallow a cancellation mid-command, so the probe also ends by
+        # the flag above, within one probe timeout.
+        await asyncio.wait(self._background, timeout=STORE_PROBE_TIMEOUT + 1)
         await self.engine.drain(self.config.shutdown_timeout)
-        await self.upstream.close()
+        await self.upstreams.close()
         await self.store.close()
+
+    async def check_stores(self) -> Health:
+        """Ping the stores (bounded in time), and record the answer in ``idemproxy_store_up``."""
+        try:
+            async with asyncio.timeout(STORE_PROBE_TIMEOUT):
+                health = await self.store.health()
+        except TimeoutError:
+            health = Health(ready=False, details={self.config.storage.backend: "unavailable (no answer)"})
+        for backend, state in health.details.items():
+            self.metrics.store_up.labels(backend).set(1 if state == "ok" else 0)
+        self._store_states = dict(health.details)
+        return health
+
+    async def _probe_stores_forever(self) -> None:
+        while not self._stopping.is_set():
+            await self.check_stores()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), STORE_PROBE_INTERVAL)
 
     async def sweep_once(self) -> int:
         """Delete expired records in bounded batches until none is left; returns how many."""
@@ -77,10 +129,15 @@ class Proxy:
         """The public app; its cleanup context owns this Proxy's start and stop."""
         # auto_decompress off: a gzip request body must reach the upstream (and the fingerprint) as sent.
         app = web.Application(
-            middlewares=[problem_middleware],
+            middlewares=[self._request_id_middleware, problem_middleware],
             handler_args={"max_field_size": 16384, "auto_decompress": False},
         )
         app[PROXY] = self
+        app[HEADER_POLICY] = HeaderPolicy(
+            trusted_proxies=self.config.forwarded.trusted_proxies,
+            request_id_header=self.config.request_id.header,
+        )
+        app.on_response_prepare.append(self._on_proxy_response)
         app.cleanup_ctx.append(self._lifecycle)
         app.router.add_route("*", "/{tail:.*}", self.engine.handle)
         return app
@@ -90,9 +147,27 @@ class Proxy:
         yield
         await self.stop()
 
+    @web.middleware
+    async def _request_id_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Keep a well-formed incoming request id, else make one; note whose Server header a response has."""
+        given = request.headers.getall(self.config.request_id.header, [])
+        well_formed = len(given) == 1 and _WELL_FORMED_ID.fullmatch(given[0])
+        request[REQUEST_ID] = given[0] if well_formed else uuid.uuid4().hex
+        response = await handler(request)
+        if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
+            request[UPSTREAM_SERVER] = "Server" in response.headers
+        return response
+
+    async def _on_proxy_response(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        """Every response of the proxy port: the request id, and no aiohttp banner (only the upstream's own)."""
+        _strip_server_banner(request, response)
+        if REQUEST_ID in request:
+            response.headers[self.config.request_id.header] = request[REQUEST_ID]
+
     def admin_app(self) -> web.Application:
         app = web.Application(middlewares=[problem_middleware])
         app[PROXY] = self
+        app.on_response_prepare.append(_strip_server_banner_hook)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
@@ -104,10 +179,15 @@ class Proxy:
         return web.json_response({"status": "ok"})
 
     async def _readyz(self, _request: web.Request) -> web.Response:
-        health = await self.store.health()
+        """200 while this process accepts work; a store outage alone does not take it out of service
+        (the proxy answers 503 store_unavailable itself) unless admin.ready_requires_store is set."""
+        if self.phase is not Phase.READY:
+            return web.json_response({"status": self.phase.value, "stores": self._store_states}, status=503)
+        health = await self.check_stores()
+        ready = health.ready or not self.config.admin.ready_requires_store
         return web.json_response(
-            {"status": "ready" if health.ready else "unavailable", "stores": health.details},
-            status=200 if health.ready else 503,
+            {"status": "ready" if ready else "store_unavailable", "stores": health.details},
+            status=200 if ready else 503,
         )
 
     async def _metrics(self, _request: web.Request) -> web.Response:
@@ -117,32 +197,58 @@ class Proxy:
         )
 
 
+def _strip_server_banner(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    # aiohttp fills in "Server: Python/3.x aiohttp/3.x" before this hook runs; only a Server header that came
+    # from the upstream (proxied or stored with a replay) is kept.
+    if not request.get(UPSTREAM_SERVER, False):
+        response.headers.popall("Server", None)
+
+
+async def _strip_server_banner_hook(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    _strip_server_banner(request, response)
+
+
 async def serve(config: Config, *, reuse_port: bool = False) -> None:
-    """Run until SIGTERM/SIGINT, then stop accepting and drain in-flight requests."""
-    proxy = Proxy(config)
+    """Run until SIGTERM/SIGINT; then drain (CONTRACT "Draining") and stop. A second signal exits at once."""
+    proxy = Proxy(config, ready_after_start=False)
     proxy_runner = web.AppRunner(
         proxy.proxy_app(), access_log=None, shutdown_timeout=config.shutdown_timeout,
         handle_signals=False,
     )
     admin_runner = web.AppRunner(proxy.admin_app(), access_log=None, handle_signals=False)
-    await proxy_runner.setup()  # opens the store (bounded retries) and the upstream pool
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("%s again: exiting at once, without draining", sig.name)
+            logging.shutdown()
+            os._exit(128 + sig.value)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    # Admin first: /healthz answers and /readyz says "starting" while the stores open (bounded retries).
+    await admin_runner.setup()
     try:
-        await admin_runner.setup()
         await web.TCPSite(admin_runner, config.admin.host, config.admin.port,
                           reuse_port=reuse_port or None).start()
+        await proxy_runner.setup()  # opens the store and the upstream pools
         await web.TCPSite(proxy_runner, config.listen.host, config.listen.port,
                           reuse_port=reuse_port or None).start()
+        proxy.phase = Phase.READY
         log.info(
             "idemproxy serving on %s:%d -> %s (store: %s); admin on %s:%d; effective config: %s",
-            config.listen.host, config.listen.port, config.upstream.url, proxy.store.backend,
-            config.admin.host, config.admin.port, json.dumps(to_plain(config), separators=(",", ":")),
+            config.listen.host, config.listen.port, ", ".join(u.base for u in proxy.upstreams),
+            proxy.store.backend, config.admin.host, config.admin.port,
+            json.dumps(to_plain(config), separators=(",", ":")),
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
-        log.info("shutting down: draining in-flight requests (up to %gs)", config.shutdown_timeout)
+        proxy.begin_draining()
+        log.info("draining: /readyz is 503; serving for %gs more so load balancers notice", config.drain_delay)
+        await asyncio.sleep(config.drain_delay)
+        log.info("shutting down: no new connections; in-flight requests have up to %gs",
+                 config.shutdown_timeout)
     finally:
         await proxy_runner.cleanup()  # stops accepting, waits for handlers, then closes the store
         await admin_runner.cleanup()

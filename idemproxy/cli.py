@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import http.client
+import json
 import logging
+import os
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from idemproxy import __version__
 from idemproxy.config import Config, ConfigError, dump_yaml, load_config_file
 from idemproxy.logs import setup_logging
 from idemproxy.problems import StoreUnavailable
@@ -20,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="idemproxy", description="Idempotency-Key semantics in front of any HTTP API."
     )
+    parser.add_argument("--version", action="version", version=f"idemproxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the proxy")
@@ -130,37 +139,60 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_keys(args: argparse.Namespace) -> int:
-    import hashlib
-    import json
-    import os
-    import urllib.error
-    import urllib.parse
-    import urllib.request
+class CLIError(Exception):
+    """An error the command line reports in one line (no traceback) and exits 1 for."""
 
+
+def cmd_keys(args: argparse.Namespace) -> int:
     config = _load(args.config) if args.config else None
-    admin_url = args.admin_url or (
+    admin_url = (args.admin_url or (
         f"http://{config.admin.host}:{config.admin.port}" if config else "http://127.0.0.1:9090"
-    )
+    )).rstrip("/")
     token = args.token or (config.admin.token.reveal() if config else "") or os.environ.get(
         "IDEMPROXY_ADMIN_TOKEN", ""
     )
     tenant = hashlib.sha256(args.tenant.encode()).hexdigest() if args.credential else args.tenant
     path = "/admin/keys/" + "/".join(urllib.parse.quote(part, safe="") for part in (tenant, args.key))
     request = urllib.request.Request(
-        admin_url.rstrip("/") + path, method="GET" if args.action == "show" else "DELETE",
+        admin_url + path, method="GET" if args.action == "show" else "DELETE",
         headers={"Authorization": f"Bearer {token}"},
     )
+    print(json.dumps(_admin_call(request, admin_url), indent=2))
+    return 0
+
+
+def _admin_call(request: urllib.request.Request, admin_url: str) -> Any:
+    """One admin API call; every way it can fail becomes a one-line CLIError naming what to fix."""
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            print(json.dumps(json.loads(response.read()), indent=2))
-            return 0
+            body = response.read()
     except urllib.error.HTTPError as exc:
-        detail = json.loads(exc.read() or b"{}").get("detail", exc.reason)
-        print(f"idemproxy: {exc.code}: {detail}", file=sys.stderr)
+        raise CLIError(_admin_refusal(exc, admin_url)) from exc
     except urllib.error.URLError as exc:
-        print(f"idemproxy: admin API at {admin_url} not reachable ({exc.reason})", file=sys.stderr)
-    return 1
+        raise CLIError(f"admin API at {admin_url} not reachable ({exc.reason}); check --admin-url") from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise CLIError(f"admin API at {admin_url} broke off ({type(exc).__name__}); "
+                       "is that idemproxy's admin port?") from exc
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise CLIError(f"{admin_url} did not answer JSON; is that idemproxy's admin port?") from exc
+
+
+def _admin_refusal(exc: urllib.error.HTTPError, admin_url: str) -> str:
+    try:
+        problem = json.loads(exc.read() or b"")
+    except (ValueError, OSError):
+        problem = None
+    if not isinstance(problem, dict):  # not one of the admin API's problem answers
+        if exc.code == 404:
+            return f"404: the admin API is off at {admin_url}: set admin.token in the proxy's config to turn it on"
+        return f"admin API at {admin_url} answered {exc.code} {exc.reason}"
+    if exc.code == 401:
+        return "401: admin token refused: pass --token, or set admin.token or $IDEMPROXY_ADMIN_TOKEN"
+    if problem.get("code") == "not_found":
+        return "404: no record for this tenant and key (TENANT is the id the access log shows; or use --credential)"
+    return f"admin API answered {exc.code}: {problem.get('detail', exc.reason)}"
 
 
 COMMANDS = {
@@ -184,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreUnavailable as exc:
         print(f"idemproxy: {exc.detail}", file=sys.stderr)
         return 1
+    except CLIError as exc:
+        print(f"idemproxy: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
@@ -192,4 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, StoreLocked | OSError):
             print(f"idemproxy: {exc}", file=sys.stderr)
             return 1
-        raise
+        if os.environ.get("IDEMPROXY_TRACEBACK"):
+            raise
+        print(f"idemproxy: unexpected {type(exc).__name__}: {exc} (IDEMPROXY_TRACEBACK=1 shows where)",
+              file=sys.stderr)
+        return 1

@@ -8,6 +8,7 @@ collected before failing so a user fixes a file in one pass. Secrets hide themse
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -93,6 +94,7 @@ class AdminConfig:
     host: str = "127.0.0.1"
     port: int = 9090
     token: Secret = field(default_factory=lambda: Secret(""))
+    ready_requires_store: bool = False  # true: /readyz is 503 while the durable store does not answer
 
 
 @dataclass(frozen=True)
@@ -133,15 +135,33 @@ class IdempotencyConfig:
     max_request_body: int = 1024 * 1024
     max_stored_response: int = 1024 * 1024
     settle_timeout: float = 30.0  # how long a client waits while its completion is retried (store down)
+    in_flight_status: int = 409  # 425 or 202 for clients built to other conventions; code stays in_flight
+    mismatch_status: int = 422  # 409 or 400; code stays payload_mismatch
 
 
 @dataclass(frozen=True)
 class RouteConfig:
-    """A path prefix with its own idempotency settings (the defaults, overridden)."""
+    """A path prefix with its own idempotency settings (the defaults, overridden) and, optionally, upstream."""
 
     prefix: str
     enabled: bool
     idempotency: IdempotencyConfig
+    upstream: UpstreamConfig | None = None  # None: the top-level upstream
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True)
+class ForwardedConfig:
+    """Peers whose X-Forwarded-Proto/-Host are believed (a load balancer in front); none by default."""
+
+    trusted_proxies: tuple[IPNetwork, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestIdConfig:
+    header: str = "X-Request-Id"
 
 
 @dataclass(frozen=True)
@@ -205,8 +225,15 @@ class Config:
     routes: tuple[RouteConfig, ...] = ()
     storage: StorageConfig = field(default_factory=StorageConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    forwarded: ForwardedConfig = field(default_factory=ForwardedConfig)
+    request_id: RequestIdConfig = field(default_factory=RequestIdConfig)
+    drain_delay: float = 5.0  # after SIGTERM: /readyz 503 but still serving, so load balancers notice
     shutdown_timeout: float = 30.0
     workers: int = 1
+
+    def upstream_for(self, route: RouteConfig | None) -> UpstreamConfig:
+        """The upstream a route's requests go to (its own, else the top-level one)."""
+        return route.upstream if route is not None and route.upstream is not None else self.upstream
 
     def route_for(self, path: str) -> RouteConfig | None:
         """The first route whose prefix matches ``path`` (None: the defaults apply)."""
@@ -361,6 +388,14 @@ def _pg_dsn(value: Any) -> SecretURL:
     return SecretURL(text)
 
 
+def _network(value: Any) -> IPNetwork:
+    text = _str(value)
+    try:
+        return ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        raise _Invalid(f"{text!r} is not an IP address or CIDR network") from None
+
+
 def _log_level(value: Any) -> str:
     if value is False:  # ``access: off`` unquoted is YAML's false: the documented way to say off
         return "OFF"
@@ -393,11 +428,27 @@ _IDEMPOTENCY_SPEC: _Spec = {
     "max_request_body": parse_size,
     "max_stored_response": parse_size,
     "settle_timeout": parse_duration,
+    "in_flight_status": lambda v: _status_in(v, (409, 425, 202)),
+    "mismatch_status": lambda v: _status_in(v, (422, 409, 400)),
 }
+
+
+def _status_in(value: Any, allowed: tuple[int, ...]) -> int:
+    status = _status(value)
+    if status not in allowed:
+        raise _Invalid(f"{value!r} is not one of {', '.join(map(str, allowed))}")
+    return status
 
 _SPECS: dict[type[Any], _Spec] = {
     ListenConfig: {"host": _str, "port": _int(0, 65535)},
-    AdminConfig: {"host": _str, "port": _int(0, 65535), "token": lambda v: Secret(_secret_text(v))},
+    AdminConfig: {
+        "host": _str,
+        "port": _int(0, 65535),
+        "token": lambda v: Secret(_secret_text(v)),
+        "ready_requires_store": _bool,
+    },
+    ForwardedConfig: {"trusted_proxies": _list(_network)},
+    RequestIdConfig: {"header": _token},
     UpstreamConfig: {
         "url": _http_url,
         "connect_timeout": parse_duration,
@@ -491,7 +542,7 @@ def _short(value: Any) -> str:
 
 _TOP_LEVEL = (
     "listen", "admin", "upstream", "tenant", "idempotency", "routes", "storage", "log",
-    "shutdown_timeout", "workers",
+    "forwarded", "request_id", "drain_delay", "shutdown_timeout", "workers",
 )
 
 
@@ -510,6 +561,7 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         overrides = dict(item)
         prefix = overrides.pop("prefix", None)
         enabled_raw = overrides.pop("enabled", True)
+        upstream_raw = overrides.pop("upstream", None)
         if not isinstance(prefix, str) or not prefix.startswith("/"):
             loader.error(f"{path}.prefix", f"{prefix!r} must be a path starting with '/'")
             prefix = "/"
@@ -519,7 +571,12 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
             loader.error(f"{path}.enabled", str(exc))
             enabled = True
         idem = loader.section(IdempotencyConfig, path, overrides, base=defaults)
-        routes.append(RouteConfig(prefix=prefix, enabled=enabled, idempotency=idem))
+        upstream = None
+        if upstream_raw is not None:
+            upstream = loader.section(UpstreamConfig, f"{path}.upstream", upstream_raw)
+            if not upstream.url:
+                loader.error(f"{path}.upstream.url", "is required when a route names its own upstream")
+        routes.append(RouteConfig(prefix=prefix, enabled=enabled, idempotency=idem, upstream=upstream))
     return tuple(routes)
 
 
@@ -567,14 +624,19 @@ def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[
 def _cross_checks(loader: _Loader, config: Config) -> None:
     if not config.upstream.url:
         loader.error("upstream.url", "is required (the API to put idempotency in front of)")
-    policies = [("idempotency", config.idempotency)]
-    policies += [(f"routes[{i}]", r.idempotency) for i, r in enumerate(config.routes)]
-    for path, idem in policies:
-        if idem.lease < config.upstream.timeout + LEASE_MARGIN:
+    # Every upstream's timeout against the lease of every route that uses it (paths matching no route use
+    # the top-level upstream with the idempotency defaults).
+    policies = [("idempotency", config.idempotency, "upstream", config.upstream)]
+    policies += [
+        (f"routes[{i}]", r.idempotency, f"routes[{i}].upstream" if r.upstream else "upstream", config.upstream_for(r))
+        for i, r in enumerate(config.routes)
+    ]
+    for path, idem, upstream_path, upstream in policies:
+        if idem.lease < upstream.timeout + LEASE_MARGIN:
             loader.error(
                 f"{path}.lease",
-                f"{_fmt_seconds(idem.lease)} must be longer than upstream.timeout "
-                f"({_fmt_seconds(config.upstream.timeout)}) by at least {_fmt_seconds(LEASE_MARGIN)}, or a "
+                f"{_fmt_seconds(idem.lease)} must be longer than {upstream_path}.timeout "
+                f"({_fmt_seconds(upstream.timeout)}) by at least {_fmt_seconds(LEASE_MARGIN)}, or a "
                 "slow request loses its lease before its answer is stored",
             )
         if idem.ttl < idem.lease:
@@ -626,6 +688,9 @@ def load_config(
         routes=_routes(loader, raw.get("routes"), idempotency),
         storage=_storage(loader, raw.get("storage")),
         log=loader.section(LogConfig, "log", raw.get("log")),
+        forwarded=loader.section(ForwardedConfig, "forwarded", raw.get("forwarded")),
+        request_id=loader.section(RequestIdConfig, "request_id", raw.get("request_id")),
+        drain_delay=_top_value(loader, raw, "drain_delay", parse_duration, 5.0),
         shutdown_timeout=_top_value(loader, raw, "shutdown_timeout", parse_duration, 30.0),
         workers=_top_value(loader, raw, "workers", _int(1, 256), 1),
     )
@@ -679,7 +744,10 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Secret):
         return value.masked()
     if isinstance(value, RouteConfig):
-        return {"prefix": value.prefix, "enabled": value.enabled, **_plain(value.idempotency)}
+        route = {"prefix": value.prefix, "enabled": value.enabled, **_plain(value.idempotency)}
+        return route if value.upstream is None else {**route, "upstream": _plain(value.upstream)}
+    if isinstance(value, ipaddress.IPv4Network | ipaddress.IPv6Network):
+        return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {
             ("from" if f.name == "from_" else f.name): _plain(getattr(value, f.name))

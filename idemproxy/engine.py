@@ -50,7 +50,9 @@ from idemproxy.problems import (
 )
 from idemproxy.proxy import (
     CHUNK,
+    REQUEST_ID,
     Upstream,
+    Upstreams,
     client_response_headers,
     filter_headers,
     read_at_most,
@@ -76,6 +78,7 @@ _UNKNOWN_STATUSES = frozenset({502, 504})  # the upstream (or a gateway before i
 class _Exchange:
     """What one request did, for metrics and the access log."""
 
+    upstream: Upstream  # the route's upstream, chosen once per request
     outcome: str = "passthrough"
     upstream_seconds: float = 0.0
     tenant: str = ""
@@ -142,10 +145,10 @@ def _is_utf8(value: str) -> bool:
 class Engine:
     """Serves every request on the proxy port."""
 
-    def __init__(self, config: Config, store: Store, upstream: Upstream, metrics: Metrics) -> None:
+    def __init__(self, config: Config, store: Store, upstreams: Upstreams, metrics: Metrics) -> None:
         self.config = config
         self.store = store
-        self.upstream = upstream
+        self.upstreams = upstreams
         self.metrics = metrics
         self.settler = Settler(metrics, config.storage.pending_settles)
         self._tasks: set[asyncio.Task[_Forwarded | web.Response]] = set()
@@ -165,7 +168,7 @@ class Engine:
         started = time.perf_counter()
         route = self.config.route_for(request.path)
         idem = route.idempotency if route is not None else self.config.idempotency
-        exchange = _Exchange()
+        exchange = _Exchange(upstream=self.upstreams.for_route(route))
         try:
             if (route is not None and not route.enabled) or request.method not in idem.methods:
                 response = await self._passthrough(request, exchange)
@@ -197,7 +200,7 @@ class Engine:
                 "outcome": ex.outcome, "status": ex.status, "route": route,
                 "tenant": self._loggable_tenant(ex.tenant), "key_hash": short_hash(ex.key),
                 "duration_ms": round(total * 1000, 3),
-                "upstream_ms": round(ex.upstream_seconds * 1000, 3),
+                "upstream_ms": round(ex.upstream_seconds * 1000, 3), "request_id": request.get(REQUEST_ID, ""),
             },
         )
 
@@ -215,7 +218,7 @@ class Engine:
 
     async def _passthrough(self, request: web.Request, ex: _Exchange) -> web.StreamResponse:
         ex.outcome = "passthrough"
-        return await self._timed_upstream(ex, lambda: self.upstream.passthrough(request))
+        return await self._timed_upstream(ex, lambda: ex.upstream.passthrough(request))
 
     # ------------------------------------------------------------------ covered requests
 
@@ -322,21 +325,24 @@ class Engine:
         return self._answer_record(record, fp, idem, claim.now, ex)
 
     def _answer_record(
-        self, record: Record, fp: str, idem: IdempotencyConfig, now: float, ex: _Exchange
+        self, record: Record, fp: str, idem: IdempotencyConfig, now: float, ex: _Exchange | None
     ) -> web.Response:
         """What a standing record means for a request that does not own it: 422, replay or 409."""
         if record.fingerprint != fp:
-            ex.outcome = "payload_mismatch"
+            if ex is not None:
+                ex.outcome = "payload_mismatch"
             raise PayloadMismatch(
-                "This idempotency key was already used with a different request payload."
+                "This idempotency key was already used with a different request payload.",
+                status=idem.mismatch_status,
             )
         if record.state is State.COMPLETED:
-            ex.outcome = "replayed"
+            if ex is not None:
+                ex.outcome = "replayed"
             return self._replay(record, idem)
         lease_left = (record.lease_expires_at or now) - now
         raise InFlight(
             "A request with this idempotency key is still being processed; retry later.",
-            lease_expires_in=lease_left,
+            lease_expires_in=lease_left, status=idem.in_flight_status,
         )
 
     def _replay(self, record: Record, idem: IdempotencyConfig) -> web.Response:
@@ -398,13 +404,13 @@ class Engine:
         try:
             # Everything that can fail before a byte is sent: a failure here releases the key at once.
             headers = upstream_request_headers(request, drop=(idem.header,))
-            if self.config.upstream.forward_key:
+            if ex.upstream.config.forward_key:
                 # The key as the proxy understood it, so the upstream can dedupe a takeover ('"k"' is 'k').
                 headers[idem.header] = claim.record.key
-            budget = min(self.config.upstream.timeout, claim.lease_left() - LEASE_MARGIN)
+            budget = min(ex.upstream.config.timeout, claim.lease_left() - LEASE_MARGIN)
             if budget <= 0:  # the claim itself took most of the lease: never forward into a takeover
                 raise StoreUnavailable("The idempotency store answered too slowly; nothing was sent.")
-            self.upstream.url(request)
+            ex.upstream.url(request)
         except BaseException:
             await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
             raise
@@ -412,7 +418,7 @@ class Engine:
         try:
             with upstream_errors():
                 async with asyncio.timeout(budget):
-                    upstream = await self.upstream.send(request, headers, body)
+                    upstream = await ex.upstream.send(request, headers, body)
                     head, complete = await read_at_most(upstream, idem.max_stored_response)
         except (UpstreamUnreachable, BadRequest):  # nothing was sent
             await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
@@ -423,7 +429,7 @@ class Engine:
         finally:
             ex.upstream_seconds += time.perf_counter() - started
         try:
-            refused = await self._settle_answer(claim, idem, upstream, head, complete)
+            refused = await self._settle_answer(claim, idem, upstream, head, complete, request.get(REQUEST_ID, ""))
         except BaseException:
             upstream.release()
             raise
@@ -434,13 +440,13 @@ class Engine:
 
     async def _settle_answer(
         self, claim: Claim, idem: IdempotencyConfig, upstream: aiohttp.ClientResponse,
-        head: bytes, complete: bool,
+        head: bytes, complete: bool, request_id: str = "",
     ) -> web.Response | None:
         """Complete or release per the outcome table; a refused completion returns what the record says."""
         status = upstream.status
         stored = StoredResponse(
             status=status,
-            headers=tuple(replay_headers(upstream, idem).items()),
+            headers=tuple(replay_headers(upstream, idem, request_id).items()),
             body=head if complete else None,
         )
         if status in idem.release_statuses or (status >= 500 and not idem.store_5xx
@@ -492,7 +498,6 @@ class Engine:
         tenant, key, fp = claim.record.tenant, claim.record.key, claim.record.fingerprint
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (idem.wait_timeout if idem.in_flight == "wait" else 0.0)
-        ex = _Exchange()
         while True:
             with self.store.watch(tenant, key) as changed:
                 try:
@@ -504,9 +509,9 @@ class Engine:
                 remaining = deadline - loop.time()
                 if record is None or record.expired(now):
                     raise InFlight("A request with this idempotency key was released while being "
-                                   "processed; retry later.", lease_expires_in=0)
+                                   "processed; retry later.", lease_expires_in=0, status=idem.in_flight_status)
                 if record.state is State.COMPLETED or record.fingerprint != fp or remaining <= 0:
-                    return self._answer_record(record, fp, idem, now, ex)
+                    return self._answer_record(record, fp, idem, now, None)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed, remaining)
 
@@ -525,7 +530,7 @@ class Engine:
                     request.method, request.path)
 
         async def call() -> web.StreamResponse:
-            upstream = await self.upstream.send(request, upstream_request_headers(request), body)
+            upstream = await ex.upstream.send(request, upstream_request_headers(request), body)
             try:
                 return await stream_response(
                     request, upstream,
@@ -537,11 +542,18 @@ class Engine:
         return await self._timed_upstream(ex, call)
 
 
-def replay_headers(upstream: aiohttp.ClientResponse, idem: IdempotencyConfig) -> CIMultiDict[str]:
-    """The headers a replay may carry: no hop-by-hop, Date, Content-Length or stripped names."""
-    drop = {"date", "content-length", idem.replay_header.lower()}
+def replay_headers(
+    upstream: aiohttp.ClientResponse, idem: IdempotencyConfig, request_id: str = ""
+) -> CIMultiDict[str]:
+    """The headers a replay may carry: no hop-by-hop, Date, Content-Length or stripped names; plus the
+    executing request's id as Original-Request-Id (only replays carry it: the live answer is not built
+    from these)."""
+    drop = {"date", "content-length", idem.replay_header.lower(), "original-request-id"}
     drop.update(name.lower() for name in idem.strip_replay_headers)
-    return filter_headers(upstream.headers, drop=drop)
+    headers = filter_headers(upstream.headers, drop=drop)
+    if request_id:
+        headers["Original-Request-Id"] = request_id
+    return headers
 
 
 def problem_response(problem: Problem) -> StoredResponse:

@@ -72,6 +72,10 @@ class Metrics:
         self.settles_dropped = Counter(
             "idemproxy_settles_dropped", "Pending completions or releases dropped (bound or shutdown)", registry=r,
         )
+        self.store_up = Gauge(
+            "idemproxy_store_up", "1 while the store answers, 0 while it does not (by backend)",
+            ["backend"], registry=r, multiprocess_mode="livemin",
+        )
         self.records_expired = Counter(
             "idemproxy_records_expired", "Records removed or replaced after their TTL", registry=r,
         )

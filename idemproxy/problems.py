@@ -8,9 +8,9 @@
     ├── MissingTenant              401 missing_tenant
     ├── Unauthorized               401 unauthorized       (admin API: wrong or missing bearer token)
     ├── RecordNotFound             404 not_found          (admin API)
-    ├── InFlight                   409 in_flight          + Retry-After
+    ├── InFlight                   409 in_flight          + Retry-After (or idempotency.in_flight_status)
     ├── BodyTooLarge               413 body_too_large
-    ├── PayloadMismatch            422 payload_mismatch
+    ├── PayloadMismatch            422 payload_mismatch   (or idempotency.mismatch_status)
     ├── UpstreamUnreachable        502 upstream_unreachable
     ├── UpstreamReset              502 upstream_reset
     ├── ResponseNotReplayable      502 response_not_replayable (+ original_status)
@@ -19,7 +19,8 @@
 
 Stores raise ``StoreUnavailable`` (translated from driver errors at their boundary); the engine and the
 proxy raise the rest; ``problem_middleware`` turns any of them into a response. Problem bodies never carry
-a stack trace, an internal host name or another tenant's data.
+a stack trace, an internal host name or another tenant's data. A problem's ``type`` is a URN
+(``urn:idemproxy:problem:in-flight``): it names the problem without pointing at a domain.
 """
 
 from __future__ import annotations
@@ -36,19 +37,21 @@ log = logging.getLogger("idemproxy")
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 RETRY_AFTER_SECONDS = 1
-_TYPE_BASE = "https://idemproxy.dev/problems/"
+_TYPE_BASE = "urn:idemproxy:problem:"
 
 
 class Problem(Exception):
     """An error answered by the proxy itself."""
 
-    status: ClassVar[int] = 500
+    status: int = 500  # a class's default; an instance may answer with another (configured) status
     code: ClassVar[str] = "internal_error"
     title: ClassVar[str] = "Internal proxy error"
     outcome: ClassVar[str] = "error"  # the metrics outcome label
 
-    def __init__(self, detail: str, **extensions: Any) -> None:
+    def __init__(self, detail: str, *, status: int | None = None, **extensions: Any) -> None:
         super().__init__(detail)
+        if status is not None:
+            self.status = status
         self.detail = detail
         self.extensions = extensions
         self.headers: dict[str, str] = {}
@@ -110,10 +113,10 @@ class RecordNotFound(Problem):
 class InFlight(Problem):
     status, code, title, outcome = 409, "in_flight", "Request already in flight", "in_flight"
 
-    def __init__(self, detail: str, lease_expires_in: float) -> None:
+    def __init__(self, detail: str, lease_expires_in: float, *, status: int | None = None) -> None:
         # Retry-After is a short hint: the first attempt usually answers within moments, and a retry then gets
         # the replay. When the owner is gone, the key is taken over only after lease_expires_in seconds.
-        super().__init__(detail, lease_expires_in=max(0, math.ceil(lease_expires_in)))
+        super().__init__(detail, status=status, lease_expires_in=max(0, math.ceil(lease_expires_in)))
         self.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
 
 

@@ -6,8 +6,10 @@ This module knows HTTP and nothing of idempotency records.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -15,7 +17,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from idemproxy.config import UpstreamConfig
+from idemproxy.config import Config, IPNetwork, RouteConfig, UpstreamConfig
 from idemproxy.problems import BadRequest, UpstreamReset, UpstreamTimeout, UpstreamUnreachable
 
 log = logging.getLogger("idemproxy.proxy")
@@ -27,6 +29,33 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
     "upgrade", "proxy-authenticate", "proxy-authorization",
 })
+
+
+REQUEST_ID = web.RequestKey("request_id", str)
+"""This request's id (set by the app's request-id middleware before any handler runs)."""
+
+UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)
+"""True when the response being sent carries the upstream's own ``Server`` header (kept, not stripped)."""
+
+
+@dataclass(frozen=True)
+class HeaderPolicy:
+    """How this hop writes the forwarding headers: whom to believe, and where the request id goes."""
+
+    trusted_proxies: tuple[IPNetwork, ...] = ()
+    request_id_header: str = "X-Request-Id"
+
+    def trusts(self, peer: str | None) -> bool:
+        if not peer or not self.trusted_proxies:
+            return False
+        try:
+            address = ipaddress.ip_address(peer)
+        except ValueError:  # a unix socket peer, or none
+            return False
+        return any(address in network for network in self.trusted_proxies)
+
+
+HEADER_POLICY = web.AppKey("header_policy", HeaderPolicy)
 
 
 def hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
@@ -49,14 +78,26 @@ def filter_headers(
 
 
 def upstream_request_headers(request: web.Request, drop: Iterable[str] = ()) -> CIMultiDict[str]:
-    """The client's headers as the upstream should see them, with the X-Forwarded-* set."""
+    """The client's headers as the upstream should see them: X-Forwarded-* and the request id set.
+
+    X-Forwarded-Proto/-Host sent by a trusted proxy (``forwarded.trusted_proxies``) describe the client's
+    original request and pass through; from anyone else they could be forged, so this hop sets them.
+    """
+    policy = request.config_dict.get(HEADER_POLICY) or HeaderPolicy()
     headers = filter_headers(request.headers, drop={"host", *drop})
     remote = request.remote or ""
     forwarded_for = ", ".join([*request.headers.getall("X-Forwarded-For", []), remote])
     headers["X-Forwarded-For"] = forwarded_for.strip(", ")
-    headers["X-Forwarded-Proto"] = request.scheme
-    if request.host:
-        headers["X-Forwarded-Host"] = request.host
+    trusted = policy.trusts(request.remote)
+    if not (trusted and "X-Forwarded-Proto" in request.headers):
+        headers["X-Forwarded-Proto"] = request.scheme
+    if not (trusted and "X-Forwarded-Host" in request.headers):
+        headers.popall("X-Forwarded-Host", None)
+        if request.host:
+            headers["X-Forwarded-Host"] = request.host
+    request_id = request.get(REQUEST_ID)
+    if request_id:
+        headers[policy.request_id_header] = request_id
     return headers
 
 
@@ -161,6 +202,37 @@ class Upstream:
             upstream.release()
 
 
+class Upstreams:
+    """Every upstream of the config, one pool each, and which one serves a route.
+
+    Routes naming equal upstream settings share one pool; routes naming none use the top-level upstream.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self._pools: dict[UpstreamConfig, Upstream] = {}
+        for upstream in (config.upstream, *(r.upstream for r in config.routes if r.upstream is not None)):
+            self._pools.setdefault(upstream, Upstream(upstream))
+
+    @property
+    def default(self) -> Upstream:
+        return self._pools[self._config.upstream]
+
+    def for_route(self, route: RouteConfig | None) -> Upstream:
+        return self._pools[self._config.upstream_for(route)]
+
+    def __iter__(self) -> Iterator[Upstream]:
+        return iter(self._pools.values())
+
+    async def open(self) -> None:
+        for upstream in self._pools.values():
+            await upstream.open()
+
+    async def close(self) -> None:
+        for upstream in reversed(self._pools.values()):
+            await upstream.close()
+
+
 async def _stream_body(request: web.Request) -> AsyncIterator[bytes]:
     async for chunk in request.content.iter_chunked(CHUNK):
         yield chunk
@@ -176,6 +248,7 @@ async def stream_response(
     """Stream the upstream's answer to the client (``head``: bytes already read from it)."""
     headers = client_response_headers(upstream)
     headers.extend(extra_headers)
+    request[UPSTREAM_SERVER] = "Server" in headers
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     if upstream.content_length is not None:
         response.content_length = upstream.content_length

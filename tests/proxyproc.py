@@ -41,7 +41,8 @@ class ProxyProcess:
     def __init__(self, config: dict[str, Any], workdir: Path, name: str = "proxy") -> None:
         self.port = free_port()
         self.admin_port = free_port()
-        config = {**config, "listen": {"host": "127.0.0.1", "port": self.port},
+        # No drain delay unless a test asks for one: stopping a test's proxy need not wait for load balancers.
+        config = {"drain_delay": "0s", **config, "listen": {"host": "127.0.0.1", "port": self.port},
                   "admin": {"host": "127.0.0.1", "port": self.admin_port, **config.get("admin", {})}}
         self.config_path = workdir / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
@@ -56,13 +57,14 @@ class ProxyProcess:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    async def start(self, timeout: float = 30) -> None:
+    async def start(self, timeout: float = 30, wait: bool = True) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "idemproxy", "serve", "--config", str(self.config_path)],
                 stdout=log, stderr=subprocess.STDOUT,
             )
-        await self.wait_ready(timeout)
+        if wait:
+            await self.wait_ready(timeout)
 
     async def wait_ready(self, timeout: float) -> None:
         assert self.proc is not None

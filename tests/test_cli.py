@@ -6,8 +6,9 @@ import asyncio
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -16,7 +17,7 @@ import yaml
 
 from idemproxy.store.postgres import MIGRATIONS, migrate
 from tests.conftest import scratch_database
-from tests.proxyproc import wait_ready
+from tests.proxyproc import ProxyProcess, wait_ready
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream
 
@@ -113,3 +114,38 @@ async def test_workers_share_the_port_and_metrics_add_up(
         output = proc.communicate(timeout=30)[0].decode()
     assert proc.returncode == 0, output
     assert len(set(re.findall(r"started 2 workers: \[(\d+), (\d+)\]", output)[0])) == 2
+
+
+def test_version_is_printed() -> None:
+    from idemproxy import __version__
+
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"idemproxy {__version__}"
+
+
+async def test_keys_errors_are_one_line_and_exit_non_zero(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
+) -> None:
+    def config(name: str, **admin: str) -> dict[str, Any]:
+        return {"upstream": {"url": upstream.url}, "admin": admin, "log": {"access": "off"},
+                "storage": {"embedded": {"path": str(tmp_path / f"{name}.sqlite3")}}}
+
+    with_api = proxy_process(config("on", token="s3cret"), name="on")
+    without_api = proxy_process(config("off"), name="off")
+    await asyncio.gather(with_api.start(), without_api.start())
+
+    def keys(admin_url: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return run_cli("keys", "show", "tenant-1", "key-1", "--admin-url", admin_url, *extra)
+
+    cases = [
+        ((without_api.admin_url, "--token", "x"), "the admin API is off"),
+        ((f"http://127.0.0.1:{free_port()}", "--token", "x"), "not reachable"),
+        ((with_api.admin_url, "--token", "wrong"), "admin token refused"),
+        ((with_api.admin_url, "--token", "s3cret"), "no record for this tenant and key"),
+    ]
+    for args, expected in cases:
+        result = await asyncio.to_thread(keys, *args)
+        assert result.returncode == 1, result
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("idemproxy: "), result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""

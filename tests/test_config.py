@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from idemproxy.config import ConfigError, load_config, load_config_file, parse_duration, parse_size
+from idemproxy.config import ConfigError, dump_yaml, load_config, load_config_file, parse_duration, parse_size
 
 UP = {"url": "http://127.0.0.1:9000"}
 
@@ -108,11 +108,68 @@ def test_sizes(text: Any, size: int) -> None:
         ({"upstream": {"url": "${UPSTREAM_URL}"}},
          "upstream.url: environment variable UPSTREAM_URL is not set"),
         ({"upstream": UP, "workers": 4}, "workers: 4 workers need storage.postgres"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "lease": "10s", "upstream": {**UP, "timeout": "10s"}}]},
+         "routes[0].lease: 10s must be longer than routes[0].upstream.timeout (10s)"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "upstream": {"timeout": "1s"}}]},
+         "routes[0].upstream.url: is required"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "upstream": {**UP, "pool": 3}}]},
+         "routes[0].upstream.pool: unknown key"),
+        ({"upstream": UP, "forwarded": {"trusted_proxies": ["10.0.0.0/8", "lb.internal"]}},
+         "forwarded.trusted_proxies: 'lb.internal' is not an IP address or CIDR network"),
+        ({"upstream": UP, "request_id": {"header": "X Request"}},
+         "request_id.header: 'X Request' is not a valid HTTP token"),
+        ({"upstream": UP, "drain_delay": "later"}, "drain_delay: 'later' is not a duration"),
+        ({"upstream": UP, "admin": {"ready_requires_store": "perhaps"}},
+         "admin.ready_requires_store: 'perhaps' is not a boolean"),
+        ({"upstream": UP, "idempotency": {"in_flight_status": 429}},
+         "idempotency.in_flight_status: 429 is not one of 409, 425, 202"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "mismatch_status": 418}]},
+         "routes[0].mismatch_status: 418 is not one of 422, 409, 400"),
     ],
 )
 def test_bad_configs_name_the_key_and_value(raw: dict[str, Any], expected: str) -> None:
     errors = errors_of(raw)
     assert any(expected in error for error in errors), errors
+
+
+def test_the_readme_gateway_example_loads() -> None:
+    readme = Path(__file__).parent.joinpath("..", "README.md").read_text()
+    block = readme.split("## As a gateway", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    env = {"IDEMPROXY_ADMIN_TOKEN": "t", "IDEMPROXY_POSTGRES_DSN": "postgresql://u:p@db:5432/idem"}
+    config = load_config(yaml.safe_load(block), env=env)
+    assert len(config.routes) == 3
+    assert len({config.upstream_for(r).url for r in config.routes}) == 2
+
+
+def test_gateway_keys_and_their_defaults() -> None:
+    config = load_config({"upstream": {**UP, "timeout": "50s"}, "routes": [
+        # its own upstream is quick, so a short lease is fine although the top-level timeout is long
+        {"prefix": "/fast", "lease": "10s", "upstream": {"url": "http://fast:1", "timeout": "5s"}},
+        {"prefix": "/slow"},
+    ], "forwarded": {"trusted_proxies": ["10.0.0.0/8", "2001:db8::1"]}, "drain_delay": "2s"}, env={})
+    fast, slow = config.routes
+    assert fast.upstream is not None and config.upstream_for(fast).url == "http://fast:1"
+    assert config.upstream_for(fast).max_connections == 512  # the upstream defaults, not the top-level's
+    assert config.upstream_for(slow) is config.upstream and config.upstream_for(None) is config.upstream
+    assert [str(n) for n in config.forwarded.trusted_proxies] == ["10.0.0.0/8", "2001:db8::1/128"]
+    assert config.drain_delay == 2 and config.request_id.header == "X-Request-Id"
+    assert config.admin.ready_requires_store is False
+    assert (config.idempotency.in_flight_status, config.idempotency.mismatch_status) == (409, 422)
+    assert load_config({"upstream": UP}, env={}).drain_delay == 5
+    plain = yaml.safe_load(dump_yaml(config))
+    assert plain["routes"][0]["upstream"]["url"] == "http://fast:1" and "upstream" not in plain["routes"][1]
+    assert plain["forwarded"]["trusted_proxies"] == ["10.0.0.0/8", "2001:db8::1/128"]
+
+
+def test_top_level_upstream_timeout_is_checked_only_against_routes_using_it() -> None:
+    raw = {"upstream": {**UP, "timeout": "50s"},
+           "routes": [{"prefix": "/a", "lease": "10s"},
+                      {"prefix": "/b", "lease": "10s", "upstream": {**UP, "timeout": "5s"}}]}
+    errors = errors_of(raw)
+    assert [e for e in errors if "lease" in e] == [
+        "routes[0].lease: 10s must be longer than upstream.timeout (50s) by at least 2s, or a slow request "
+        "loses its lease before its answer is stored"
+    ]
 
 
 def test_every_error_is_reported_at_once() -> None:

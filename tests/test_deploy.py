@@ -90,3 +90,31 @@ def test_kubernetes_configmaps_hold_valid_configs(path: str) -> None:
     env = {"IDEMPROXY_ADMIN_TOKEN": "t", "IDEMPROXY_POSTGRES_DSN": "postgresql://u:p@db:5432/idem"}
     for doc in docs:
         load_config(yaml.safe_load(doc["data"]["config.yaml"]), env=env)
+
+
+@pytest.mark.parametrize("path", ["deploy/k8s/gateway.yaml", "deploy/k8s/sidecar.yaml"])
+def test_kubernetes_shapes_drain_and_are_locked_down(path: str) -> None:
+    from idemproxy.config import load_config
+
+    docs = [d for d in yaml.safe_load_all((ROOT / path).read_text()) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"ConfigMap", "Deployment", "NetworkPolicy"} <= kinds
+    env = {"IDEMPROXY_ADMIN_TOKEN": "t", "IDEMPROXY_POSTGRES_DSN": "postgresql://u:p@db:5432/idem"}
+    config = next(load_config(yaml.safe_load(d["data"]["config.yaml"]), env=env) for d in docs
+                  if d["kind"] == "ConfigMap")
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= config.drain_delay + config.shutdown_timeout + 5
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for container in pod["containers"]:
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True and context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"]["drop"] == ["ALL"]
+        assert {"cpu", "memory"} <= container["resources"]["requests"].keys()
+        assert "memory" in container["resources"]["limits"]
+    proxy = next(c for c in pod["containers"] if c["name"] == "idemproxy")
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    probe = proxy["readinessProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] < config.drain_delay  # seen before the port closes
+    for other in (c for c in pod["containers"] if c is not proxy):  # a sidecar's app outlives the drain
+        assert other["lifecycle"]["preStop"]["sleep"]["seconds"] >= config.drain_delay + config.shutdown_timeout

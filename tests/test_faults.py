@@ -64,6 +64,26 @@ async def readyz(proxy: RunningProxy) -> tuple[int, dict[str, Any]]:
         await admin.close()
 
 
+async def wait_store_ok(proxy: RunningProxy, backend: str, timeout: float = 15) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (await readyz(proxy))[1]["stores"].get(backend) != "ok" and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+
+
+async def test_ready_requires_store_takes_the_replica_out_while_postgres_is_down(
+    make_proxy: ProxyFactory, own_pg: PostgresServer, own_pg_dsn: str
+) -> None:
+    proxy = await make_proxy(storage_section=pg_section(own_pg_dsn), admin={"ready_requires_store": True})
+    assert (await readyz(proxy))[0] == 200
+    await asyncio.to_thread(own_pg.stop)
+    status, ready = await readyz(proxy)
+    assert (status, ready["status"], ready["stores"]) == (503, "store_unavailable", {"postgres": "unavailable"})
+    await asyncio.to_thread(own_pg.start)
+    await wait_store_ok(proxy, "postgres")
+    assert (await readyz(proxy))[0] == 200
+
+
 async def test_redis_down_mid_run_costs_latency_never_correctness(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str
 ) -> None:
@@ -114,17 +134,17 @@ async def test_postgres_down_fails_closed_and_nothing_reaches_the_upstream(
     assert problem["code"] == "store_unavailable"
     assert "127.0.0.1" not in body.decode() and str(own_pg.port) not in body.decode()
     assert upstream.count(key="down") == 0
+    # The replica still accepts work (it answers 503 store_unavailable itself): ready, naming the store's state.
     status, ready = await readyz(proxy)
-    assert status == 503 and ready["stores"]["postgres"] == "unavailable"
+    assert status == 200 and ready["stores"]["postgres"] == "unavailable"
+    assert 'idemproxy_store_up{backend="postgres"} 0.0' in proxy.proxy.metrics.render().decode()
     # uncovered traffic still flows
     plain, _ = await proxy.post("/v1/charges", method="GET")
     assert plain.status == 200
 
     own_pg.start()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 15
-    while (await readyz(proxy))[0] != 200 and loop.time() < deadline:
-        await asyncio.sleep(0.1)
+    await wait_store_ok(proxy, "postgres")
+    assert 'idemproxy_store_up{backend="postgres"} 1.0' in proxy.proxy.metrics.render().decode()
     resp, _ = await proxy.post("/v1/charges", key="down", body=CHARGE)
     assert resp.status == 201
     assert upstream.count(key="down") == 1

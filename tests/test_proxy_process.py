@@ -1,4 +1,5 @@
-"""The proxy as a real process: bounded memory while streaming, graceful shutdown, CLI start-up."""
+"""The proxy as a real process: bounded memory while streaming, draining and graceful shutdown, readiness,
+CLI start-up."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -83,6 +85,94 @@ async def test_sigterm_lets_in_flight_requests_finish(
         assert resp.headers["Idempotent-Replayed"] == "false"
         resp.release()
     assert await asyncio.to_thread(proxy.proc.wait, 20) == 0
+
+
+async def get_json(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    async with session.get(url) as resp:
+        return resp.status, await resp.json()
+
+
+def pay(session: aiohttp.ClientSession, proxy: ProxyProcess, key: str, delay: float = 0) -> Any:
+    headers = {"Idempotency-Key": key, "Authorization": "t"}
+    if delay:
+        headers["X-Test-Delay"] = str(delay)
+    return session.post(proxy.url + "/pay", data=b"{}", headers=headers)
+
+
+async def test_sigterm_drains_then_stops_accepting_then_exits_0(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    drain = 1.5
+    proxy = proxy_process({**embedded(upstream, tmp_path), "drain_delay": f"{drain}s", "shutdown_timeout": "20s"})
+    await proxy.start()
+    assert proxy.proc is not None
+    loop = asyncio.get_running_loop()
+    fresh = aiohttp.TCPConnector(force_close=True)  # a new connection for every request
+    async with aiohttp.ClientSession() as session, aiohttp.ClientSession(connector=fresh) as other:
+        slow = asyncio.ensure_future(pay(session, proxy, "slow", delay=drain + 2.5))
+        while upstream.count(key="slow") == 0:  # the upstream is executing it now
+            await asyncio.sleep(0.01)
+        proxy.proc.send_signal(signal.SIGTERM)
+        signalled = loop.time()
+        status, body = await get_json(other, proxy.admin_url + "/readyz")
+        while status == 200 and loop.time() - signalled < 1:  # the signal is handled within moments
+            await asyncio.sleep(0.02)
+            status, body = await get_json(other, proxy.admin_url + "/readyz")
+        assert (status, body["status"]) == (503, "draining")
+        async with pay(other, proxy, "during") as resp:  # load balancers still send some: served
+            assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+        assert loop.time() - signalled < drain
+        assert (await get_json(other, proxy.admin_url + "/healthz"))[0] == 200
+
+        await asyncio.sleep(drain + 0.7 - (loop.time() - signalled))
+        assert not slow.done()  # still running upstream, and now the port is closed to new connections
+        try:
+            async with pay(other, proxy, "after") as late:
+                raise AssertionError(f"accepted after the drain delay: {late.status}")
+        except aiohttp.ClientConnectionError:
+            pass
+        resp = await slow
+        assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+        resp.release()
+    assert await asyncio.to_thread(proxy.proc.wait, 20) == 0
+    assert upstream.count(key="after") == 0 and upstream.count(key="slow") == 1
+    assert "draining: /readyz is 503" in proxy.log()
+
+
+async def test_a_second_signal_exits_at_once(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    proxy = proxy_process({**embedded(upstream, tmp_path), "drain_delay": "60s"})
+    await proxy.start()
+    assert proxy.proc is not None
+    proxy.proc.send_signal(signal.SIGTERM)
+    async with aiohttp.ClientSession() as session:
+        while (await get_json(session, proxy.admin_url + "/readyz"))[0] == 200:
+            await asyncio.sleep(0.02)
+    proxy.proc.send_signal(signal.SIGINT)
+    code = await asyncio.to_thread(proxy.proc.wait, 10)  # long before the 60 s drain delay
+    assert code == 128 + signal.SIGINT
+    assert "SIGINT again: exiting at once" in proxy.log()
+
+
+async def test_readyz_is_503_while_starting(proxy_process: Factory, tmp_path: Path) -> None:
+    dsn = f"postgresql://idem@127.0.0.1:{free_port()}/idem"  # nobody listens: start-up keeps retrying
+    proxy = proxy_process({"upstream": {"url": "http://127.0.0.1:1"}, "storage": {"postgres": {"dsn": dsn}}})
+    await proxy.start(wait=False)
+    assert proxy.proc is not None
+    seen: set[tuple[int, str]] = set()
+    async with aiohttp.ClientSession() as session:
+        while proxy.proc.poll() is None and not seen:
+            try:
+                status, body = await get_json(session, proxy.admin_url + "/readyz")
+                healthz, _ = await get_json(session, proxy.admin_url + "/healthz")
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.05)
+                continue
+            seen.add((status, body["status"]))
+            assert healthz == 200
+    assert seen == {(503, "starting")}, proxy.log()
+    assert await asyncio.to_thread(proxy.proc.wait, 30) == 1
 
 
 async def test_serve_with_only_an_upstream_flag_runs_on_the_embedded_store(

@@ -8,6 +8,8 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-Size: bytes         answer with a body of this many bytes
   X-Test-Set-Cookie: value   add a Set-Cookie header
   X-Test-Hop: 1              answer with hop-by-hop headers (Connection-named, Keep-Alive)
+  X-Test-Server: value       answer with this Server header
+  X-Test-No-Server: 1        answer with no Server header at all (not even aiohttp's)
 The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them.
 """
 
@@ -44,6 +46,7 @@ class RecordingUpstream:
         app.router.add_post("/stream/upload", self.upload)
         app.router.add_get("/stream/download", self.download)
         app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_response_prepare.append(_server_header)
         return app
 
     def count(self, key: str | None = None, path: str | None = None) -> int:
@@ -106,6 +109,13 @@ class RecordingUpstream:
             sent += len(part)
         await response.write_eof()
         return response
+
+
+async def _server_header(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    if "X-Test-Server" in request.headers:
+        response.headers["Server"] = request.headers["X-Test-Server"]
+    elif "X-Test-No-Server" in request.headers:
+        response.headers.popall("Server", None)
 
 
 def pattern_sha256(size: int) -> str:

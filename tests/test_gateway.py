@@ -1,0 +1,251 @@
+"""Gateway features on real servers: per-route upstreams, forwarded headers, request ids, other status
+conventions, and no server banner (CONTRACT "Gateway and operations")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from tests.conftest import ProxyFactory, RunningProxy
+from tests.upstream import RecordingUpstream
+
+CHARGE = {"amount": 1000, "currency": "eur"}
+BANNER = "aiohttp"
+
+
+@pytest.fixture
+async def upstream_b() -> AsyncIterator[RecordingUpstream]:
+    recorder = RecordingUpstream()
+    server = TestServer(recorder.app(), host="127.0.0.1")
+    await server.start_server()
+    recorder.url = str(server.make_url("")).rstrip("/")
+    yield recorder
+    recorder.release_hangs()
+    await server.close()
+
+
+def problem(body: bytes) -> dict[str, Any]:
+    parsed: dict[str, Any] = json.loads(body)
+    return parsed
+
+
+# ------------------------------------------------------------------ several upstreams
+
+
+async def test_routes_reach_their_own_upstream_through_their_own_pool(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, upstream_b: RecordingUpstream
+) -> None:
+    b = {"url": upstream_b.url, "timeout": "5s"}
+    proxy = await make_proxy("embedded", routes=[
+        {"prefix": "/v1/charges", "upstream": b},
+        {"prefix": "/v1/refunds", "upstream": b},
+        {"prefix": "/v1/events", "enabled": False},
+    ])
+    for path in ("/v1/charges", "/v1/refunds", "/v1/events", "/v2/other"):
+        resp, _ = await proxy.post(path, key=f"k{path}", body=CHARGE)
+        assert resp.status == 201, path
+        plain, _ = await proxy.post(path, method="GET", tenant=None)
+        assert plain.status == 200
+    again, _ = await proxy.post("/v1/charges", key="k/v1/charges", body=CHARGE)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert sorted(e.path_qs for e in upstream_b.executed) == [
+        "/v1/charges", "/v1/charges", "/v1/refunds", "/v1/refunds"
+    ]
+    assert sorted(e.path_qs for e in upstream.executed) == ["/v1/events", "/v1/events", "/v2/other", "/v2/other"]
+
+    upstreams = proxy.proxy.upstreams
+    config = proxy.proxy.config
+    charges, refunds = upstreams.for_route(config.routes[0]), upstreams.for_route(config.routes[1])
+    assert charges is refunds  # equal settings share one pool
+    assert charges.session is not upstreams.default.session
+    assert upstreams.for_route(config.routes[2]) is upstreams.default is upstreams.for_route(None)
+
+
+async def test_a_route_upstream_has_its_own_timeout(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, upstream_b: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded", routes=[
+        {"prefix": "/slow-ok", "upstream": {"url": upstream_b.url, "timeout": "3s"}},
+        {"prefix": "/", "upstream": {"url": upstream_b.url, "timeout": "200ms"}},
+    ])
+    slow, _ = await proxy.post("/slow-ok", key="s1", body=CHARGE, headers={"X-Test-Delay": "0.5"})
+    assert slow.status == 201
+    late, body = await proxy.post("/fast", key="s2", body=CHARGE, headers={"X-Test-Delay": "0.5"})
+    assert late.status == 504 and problem(body)["code"] == "upstream_timeout"
+    assert upstream.executed == []
+
+
+# ------------------------------------------------------------------ forwarded headers
+
+
+async def test_forwarded_headers_from_an_untrusted_peer_are_set_by_this_hop(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded", forwarded={"trusted_proxies": ["10.0.0.0/8"]})
+    sent = {"X-Forwarded-Proto": "https", "X-Forwarded-Host": "pay.example", "X-Forwarded-For": "203.0.113.7"}
+    await proxy.post("/f", method="GET", tenant=None, headers=sent)
+    seen = upstream.executed[0].headers
+    assert seen["X-Forwarded-Proto"] == "http"
+    assert seen.getall("X-Forwarded-Host") == [proxy.url.removeprefix("http://")]
+    assert seen["X-Forwarded-For"] == "203.0.113.7, 127.0.0.1"
+
+
+@pytest.mark.parametrize("covered", [False, True])
+async def test_forwarded_headers_from_a_trusted_peer_pass_through(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, covered: bool
+) -> None:
+    proxy = await make_proxy("embedded", forwarded={"trusted_proxies": ["127.0.0.0/8", "::1"]})
+    sent = {"X-Forwarded-Proto": "https", "X-Forwarded-Host": "pay.example", "X-Forwarded-For": "203.0.113.7"}
+    resp, _ = await proxy.post("/f", headers=sent, body=CHARGE, key="fw" if covered else None)
+    assert resp.status == 201
+    seen = upstream.executed[0].headers
+    assert seen["X-Forwarded-Proto"] == "https" and seen.getall("X-Forwarded-Host") == ["pay.example"]
+    assert seen["X-Forwarded-For"] == "203.0.113.7, 127.0.0.1"
+    # a trusted peer that sends none: this hop sets them
+    await proxy.post("/g", method="GET", tenant=None)
+    assert upstream.executed[1].headers["X-Forwarded-Proto"] == "http"
+    assert upstream.executed[1].headers["X-Forwarded-Host"] == proxy.url.removeprefix("http://")
+
+
+# ------------------------------------------------------------------ request ids
+
+
+async def test_a_well_formed_request_id_is_kept_end_to_end(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded")
+    resp, _ = await proxy.post("/r", key="r1", body=CHARGE, headers={"X-Request-Id": "req-abc_123"})
+    assert resp.headers["X-Request-Id"] == "req-abc_123"
+    assert upstream.executed[0].headers["X-Request-Id"] == "req-abc_123"
+    assert "Original-Request-Id" not in resp.headers  # only replays carry it
+
+
+@pytest.mark.parametrize("given", [None, "", "x" * 129, "has space", "caf\u00e9"])
+async def test_a_missing_or_malformed_request_id_is_replaced(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, given: str | None
+) -> None:
+    proxy = await make_proxy("embedded")
+    headers = {} if given is None else {"X-Request-Id": given}
+    resp, _ = await proxy.post("/r", method="GET", tenant=None, headers=headers)
+    generated = resp.headers["X-Request-Id"]
+    assert generated != given and 1 <= len(generated) <= 128 and generated.isascii()
+    assert upstream.executed[0].headers.getall("X-Request-Id") == [generated]
+    other, _ = await proxy.post("/r", method="GET", tenant=None, headers=headers)
+    assert other.headers["X-Request-Id"] != generated
+
+
+async def test_replays_and_problems_carry_the_request_id(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded", request_id={"header": "X-Correlation-Id"})
+    first, first_body = await proxy.post("/r", key="r2", body=CHARGE, headers={"X-Correlation-Id": "first"})
+    assert first.headers["X-Correlation-Id"] == "first" and "Original-Request-Id" not in first.headers
+    replay, replay_body = await proxy.post("/r", key="r2", body=CHARGE, headers={"X-Correlation-Id": "second"})
+    assert replay.headers["Idempotent-Replayed"] == "true" and replay_body == first_body
+    assert replay.headers["X-Correlation-Id"] == "second"
+    assert replay.headers["Original-Request-Id"] == "first"
+    missing, body = await proxy.post("/r", key="r3", body=CHARGE, tenant=None,
+                                     headers={"X-Correlation-Id": "third"})
+    assert missing.status == 401 and problem(body)["code"] == "missing_tenant"
+    assert missing.headers["X-Correlation-Id"] == "third"
+    assert upstream.count() == 1
+
+
+async def test_the_access_log_names_the_request_id(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await make_proxy("embedded", log={"access": "info"})
+    with caplog.at_level(logging.INFO, logger="idemproxy.access"):
+        await proxy.post("/r", key="r4", body=CHARGE, headers={"X-Request-Id": "logged-1"})
+    lines = [r for r in caplog.records if r.name == "idemproxy.access"]
+    assert [getattr(r, "request_id", None) for r in lines] == ["logged-1"]
+
+
+# ------------------------------------------------------------------ other status conventions
+
+
+async def test_in_flight_and_mismatch_statuses_follow_the_config(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded", idempotency={"in_flight_status": 425, "mismatch_status": 409},
+                             routes=[{"prefix": "/accepted", "in_flight_status": 202}])
+
+    async def duplicate(path: str) -> tuple[aiohttp.ClientResponse, bytes]:
+        first = asyncio.ensure_future(proxy.post(path, key=path, body=CHARGE, headers={"X-Test-Delay": "0.5"}))
+        while upstream.count(path=path) == 0:
+            await asyncio.sleep(0.01)
+        second = await proxy.post(path, key=path, body=CHARGE)
+        assert (await first)[0].status == 201
+        return second
+
+    resp, body = await duplicate("/pay")
+    assert resp.status == 425 and problem(body)["code"] == "in_flight" and problem(body)["status"] == 425
+    assert resp.headers["Retry-After"] == "1"
+    resp, body = await duplicate("/accepted")
+    assert resp.status == 202 and problem(body)["code"] == "in_flight"
+    resp, body = await proxy.post("/pay", key="/pay", body={"amount": 1})
+    assert resp.status == 409 and problem(body)["code"] == "payload_mismatch" and problem(body)["status"] == 409
+    assert upstream.count() == 2
+
+
+async def test_default_statuses_stay_409_and_422(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
+    proxy = await make_proxy("embedded")
+    await proxy.post("/pay", key="d", body=CHARGE)
+    resp, body = await proxy.post("/pay", key="d", body={"amount": 1})
+    assert resp.status == 422 and problem(body)["type"] == "urn:idemproxy:problem:payload-mismatch"
+
+
+# ------------------------------------------------------------------ no disclosure
+
+
+def assert_no_banner(resp: aiohttp.ClientResponse) -> None:
+    assert "Server" not in resp.headers, resp.headers.get("Server")
+
+
+async def test_responses_the_proxy_makes_carry_no_server_banner(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy: RunningProxy = await make_proxy("embedded", admin={"token": "t0ken"})
+    resp, body = await proxy.post("/pay", key="b1", body=CHARGE, tenant=None)  # a problem
+    assert resp.status == 401 and "idemproxy.dev" not in body.decode()
+    assert problem(body)["type"].startswith("urn:idemproxy:problem:")
+    assert_no_banner(resp)
+    quiet = {"X-Test-No-Server": "1"}
+    first, _ = await proxy.post("/pay", key="b2", body=CHARGE, headers=quiet)  # the upstream sent none
+    assert_no_banner(first)
+    replay, _ = await proxy.post("/pay", key="b2", body=CHARGE, headers=quiet)
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert_no_banner(replay)
+    plain, _ = await proxy.post("/pay", method="GET", tenant=None, headers=quiet)  # streamed pass-through
+    assert plain.status == 200
+    assert_no_banner(plain)
+
+    admin = TestServer(proxy.proxy.admin_app(), host="127.0.0.1")
+    await admin.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for path in ("/healthz", "/readyz", "/metrics", "/admin/keys/t/k", "/nowhere"):
+                async with session.get(admin.make_url(path)) as got:
+                    assert_no_banner(got)
+    finally:
+        await admin.close()
+
+
+async def test_proxied_responses_keep_the_upstreams_own_server_header(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded")
+    own = {"X-Test-Server": "payments/1.0"}
+    first, _ = await proxy.post("/pay", key="s1", body=CHARGE, headers=own)
+    replay, _ = await proxy.post("/pay", key="s1", body=CHARGE, headers=own)
+    plain, _ = await proxy.post("/pay", method="GET", tenant=None, headers=own)
+    big, _ = await proxy.post("/pay", key="s2", body=CHARGE, headers={**own, "X-Test-Size": str(2 * 1024 * 1024)})
+    for resp in (first, replay, plain, big):
+        assert resp.headers.getall("Server") == ["payments/1.0"]
