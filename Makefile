@@ -46,7 +46,10 @@ pytest: $(STAMP)
 # when none is configured).
 test: lint typecheck validate pytest
 
+# wrk drives the load (Debian's package; installed here when missing and we are root).
 bench: $(STAMP)
+	command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq wrk; } || \
+		{ echo "bench needs wrk (apt-get install wrk)"; exit 1; }
 	$(PY) bench/run.py
 
 clean:

@@ -1,212 +1,296 @@
-"""Benchmark: latency, proxy overhead, throughput and memory per path and store.
+"""Benchmark: idemproxy against a reference pass-through proxy, in one run, as ratios.
 
-    .venv/bin/python bench/run.py [--seconds 5] [--concurrency 32] [--stores redis,postgres,embedded]
+    make bench                       # or: .venv/bin/python bench/run.py [--seconds 5] [--rounds 3]
 
-Starts a trivial upstream, the proxy as a real process (`idemproxy serve`), and real Redis/PostgreSQL (from
-IDEMPROXY_TEST_REDIS_URL / IDEMPROXY_TEST_POSTGRES_DSN, else throwaway servers like the test suite's). For each
-store it drives four paths with a bounded number of concurrent clients for a bounded time, all on loopback:
-  direct       client -> upstream, no proxy (the baseline)
-  passthrough  client -> proxy -> upstream, no key
-  first        a new Idempotency-Key per request (claim, forward, store)
-  replay       the same key and payload again (served from the store)
-and reports client-side p50/p99 latency and throughput, the proxy's own overhead histogram
-(idemproxy_overhead_seconds: time in the proxy minus time waiting on the upstream), and the proxy's peak RSS.
-Everything shares this machine's cores, so absolute numbers are pessimistic; compare paths with each other.
+Processes, all on this machine (loopback): the upstream (bench/upstream.py), the reference proxy
+(bench/reference.py: ~50 lines of aiohttp + uvloop), idemproxy on Redis + PostgreSQL, idemproxy on the embedded
+store, and real Redis/PostgreSQL (IDEMPROXY_TEST_REDIS_URL / IDEMPROXY_TEST_POSTGRES_DSN, else throwaway servers of
+the bench's own, so their CPU can be read alone). `wrk -t2 -c50` drives each target in turn, rounds interleaved:
+
+  reference   client -> reference proxy -> upstream
+  off         idemproxy, a route with idempotency disabled (plain proxying)
+  first       idemproxy on Redis + PostgreSQL, a new Idempotency-Key per request (claim, forward, store)
+  replay      idemproxy on Redis + PostgreSQL, 100 keys sent again and again (answered from the store)
+  pg-first    idemproxy on PostgreSQL alone, new keys
+  embedded    idemproxy on the embedded store, new keys
+
+For each: req/s and its ratio to the reference in the same round (median over rounds), wrk's p50/p99, CPU per
+request of the proxy process (utime+stime from /proc) and of the stores, and its ratio to the reference. Then
+an open-loop client at 200 req/s measures the latency each path adds over calling the upstream directly.
+Everything shares 2 cores here: compare ratios, not absolute figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import os
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import asyncpg
-from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from tests.proxyproc import ProxyProcess
-from tests.servers import PostgresServer, RedisServer
+from tests.proxyproc import ProxyProcess  # noqa: E402
+from tests.servers import PostgresServer, RedisServer, free_port  # noqa: E402
 
-BODY = {"amount": 1000, "currency": "eur", "description": "benchmark charge"}
+BODY = '{"amount": 1000, "currency": "eur", "description": "benchmark charge"}'
+TICK = os.sysconf("SC_CLK_TCK")
+WRK_SCRIPT = """
+local mode, prefix, counter = "none", "k", 0
+local id = 0
+function setup(thread) id = id + 1; thread:set("tid", id) end
+function init(args) mode = args[1]; prefix = args[2] end
+function request()
+  counter = counter + 1
+  local headers = {["Content-Type"] = "application/json"}
+  if mode == "first" then headers["Idempotency-Key"] = prefix .. "-" .. tid .. "-" .. counter
+  elseif mode == "replay" then headers["Idempotency-Key"] = prefix .. "-" .. (counter % 100) end
+  return wrk.format("POST", nil, headers, '@BODY@')
+end
+""".replace("@BODY@", BODY)
 
 
-def upstream_app() -> web.Application:
-    async def handle(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"id": "ch_1", "status": "succeeded"}, status=201)
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of these processes and all their descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry.name)] = fields
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    total, todo = 0.0, list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += (int(stats[pid][11]) + int(stats[pid][12])) / TICK
+        todo.extend(children.get(pid, []))
+    return total
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    return app
+
+def pids_named(*names: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() in names:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
 
 
-Headers = Callable[[int], dict[str, str]]
+@dataclass
+class Target:
+    name: str
+    url: str
+    mode: str  # none | first | replay
+    pids: Callable[[], list[int]]
+    rounds: list[dict[str, float]] = field(default_factory=list)
 
 
-async def drive(url: str, seconds: float, concurrency: int, headers: Headers) -> dict[str, float]:
-    """``concurrency`` clients sending back to back for ``seconds``; client-side latency and throughput."""
-    latencies: list[float] = []
-    counter = itertools.count()
-    deadline = time.perf_counter() + seconds
-    errors = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-
-        async def client() -> None:
-            nonlocal errors
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                async with session.post(url, json=BODY, headers=headers(next(counter))) as resp:
-                    await resp.read()
-                    if resp.status != 201:
-                        errors += 1
-                latencies.append(time.perf_counter() - started)
-
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-    latencies.sort()
+def run_wrk(target: Target, seconds: float, script: Path, store_pids: list[int]) -> dict[str, float]:
+    before, store_before = cpu_seconds(target.pids()), cpu_seconds(store_pids)
+    out = subprocess.run(
+        ["wrk", "-t2", "-c50", f"-d{seconds:g}s", "--latency", "-s", str(script), target.url, "--",
+         target.mode, uuid.uuid4().hex[:8]],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    cpu, store_cpu = cpu_seconds(target.pids()) - before, cpu_seconds(store_pids) - store_before
+    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return {
-        "requests": len(latencies),
-        "rps": len(latencies) / seconds,
-        "p50_ms": statistics.median(latencies) * 1000,
-        "p99_ms": latencies[int(len(latencies) * 0.99) - 1] * 1000,
-        "errors": errors,
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
+        "p50": _ms(re.search(r"50%\s+([\d.]+\w+)", out).group(1)),  # type: ignore[union-attr]
+        "p99": _ms(re.search(r"99%\s+([\d.]+\w+)", out).group(1)),  # type: ignore[union-attr]
+        "cpu_us": cpu / requests * 1e6,
+        "store_us": store_cpu / requests * 1e6,
+        "bad": float(non_2xx.group(1)) if non_2xx else 0.0,
     }
 
 
-def quantiles(metrics_text: str, histogram: str, *selectors: str) -> tuple[float, float]:
-    """p50 and p99 (upper bucket bound, ms) of one labelled series of a histogram."""
-    buckets: list[tuple[float, float]] = []
-    for line in metrics_text.splitlines():
-        if line.startswith(f"{histogram}_bucket{{") and all(s in line for s in selectors):
-            le = line.split('le="')[1].split('"')[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    buckets.sort()
-    total = buckets[-1][1] if buckets else 0.0
-
-    def quantile(q: float) -> float:
-        return next((le for le, count in buckets if count >= q * total), float("nan")) * 1000
-
-    return quantile(0.5), quantile(0.99)
+def _ms(text: str) -> float:
+    value, unit = re.match(r"([\d.]+)(\w+)", text).groups()  # type: ignore[union-attr]
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
 
-async def metrics(proxy: ProxyProcess) -> str:
-    async with aiohttp.ClientSession() as session, session.get(proxy.admin_url + "/metrics") as resp:
-        return await resp.text()
+async def open_loop(url: str, mode: str, rate: float, seconds: float) -> tuple[float, float]:
+    """Requests at a fixed rate (not back to back): p50/p99 latency in ms at that load."""
+    latencies: list[float] = []
+    prefix = uuid.uuid4().hex[:8]
+    async with aiohttp.ClientSession() as session:
+        async def one(i: int) -> None:
+            headers = {"Content-Type": "application/json"}
+            if mode != "none":
+                headers["Idempotency-Key"] = f"{prefix}-{i if mode == 'first' else i % 100}"
+            started = time.perf_counter()
+            async with session.post(url, data=BODY, headers=headers) as resp:
+                await resp.read()
+            latencies.append(time.perf_counter() - started)
+
+        if mode == "replay":
+            await asyncio.gather(*(one(i) for i in range(100)))
+            latencies.clear()
+        tasks, start = [], time.perf_counter()
+        for i in range(int(rate * seconds)):
+            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+            tasks.append(asyncio.ensure_future(one(i)))
+        await asyncio.gather(*tasks)
+    latencies.sort()
+    return statistics.median(latencies) * 1000, latencies[int(len(latencies) * 0.99) - 1] * 1000
 
 
-async def storage_sections(stores: list[str], workdir: Path) -> tuple[dict[str, dict[str, Any]], Callable[[], None]]:
+@contextmanager
+def process(*argv: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, *argv, str(port)], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 20
+        while subprocess.run(["sh", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"], capture_output=True,
+                             executable="/bin/bash").returncode != 0:
+            assert time.monotonic() < deadline and proc.poll() is None, f"{argv} did not start"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def stores(workdir: Path) -> tuple[dict[str, Any], list[int], Callable[[], None]]:
+    """Redis and PostgreSQL sections; the pids whose CPU counts as the stores'; a cleanup."""
     owned: list[Any] = []
-    redis_url = os.environ.get("IDEMPROXY_TEST_REDIS_URL")
-    pg_admin = os.environ.get("IDEMPROXY_TEST_POSTGRES_DSN")
-    if redis_url is None and "redis" in stores:
-        server = RedisServer()
-        server.start()
-        owned.append(server)
-        redis_url = server.url
-    if pg_admin is None and ({"redis", "postgres"} & set(stores)):
+    redis_url, pg_admin = os.environ.get("IDEMPROXY_TEST_REDIS_URL"), os.environ.get("IDEMPROXY_TEST_POSTGRES_DSN")
+    store_pids: list[int] = []
+    if redis_url is None:
+        redis = RedisServer()
+        redis.start()
+        owned.append(redis)
+        redis_url = redis.url
+        assert redis.proc is not None
+        store_pids.append(redis.proc.pid)
+    if pg_admin is None:
         pg = PostgresServer()
         pg.start()
         owned.append(pg)
         pg_admin = pg.admin_dsn
-    sections: dict[str, dict[str, Any]] = {}
+        store_pids.append(int((pg.data / "postmaster.pid").read_text().split()[0]))
+    if not store_pids:  # shared servers: their CPU includes whatever else runs on them
+        store_pids = pids_named("postgres", "redis-server")
     database = f"idemproxy_bench_{uuid.uuid4().hex[:8]}"
-    if pg_admin is not None:
-        conn = await asyncpg.connect(pg_admin)
-        await conn.execute(f"CREATE DATABASE {database}")
-        await conn.close()
-        dsn = pg_admin.rsplit("/", 1)[0] + f"/{database}"
-        sections["postgres"] = {"postgres": {"dsn": dsn, "pool_min": 4, "pool_max": 20}}
-        if redis_url is not None:
-            sections["redis"] = {**sections["postgres"],
-                                 "redis": {"url": redis_url, "key_prefix": f"bench:{uuid.uuid4().hex[:8]}:"}}
-    sections["embedded"] = {"embedded": {"path": str(workdir / "bench.sqlite3")}}
+    conn = await asyncpg.connect(pg_admin)
+    await conn.execute(f"CREATE DATABASE {database}")
+    await conn.close()
+    postgres = {"dsn": pg_admin.rsplit("/", 1)[0] + f"/{database}", "pool_min": 4, "pool_max": 20}
+    sections = {
+        "redis": {"postgres": postgres, "redis": {"url": redis_url, "key_prefix": f"bench:{uuid.uuid4().hex[:8]}:"}},
+        "postgres": {"postgres": postgres},
+        "embedded": {"embedded": {"path": str(workdir / "bench.sqlite3")}},
+    }
 
     def cleanup() -> None:
-        if pg_admin is not None:
-            async def drop() -> None:
-                conn = await asyncpg.connect(pg_admin)
-                await conn.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
-                await conn.close()
-            asyncio.run(drop())
+        async def drop() -> None:
+            conn = await asyncpg.connect(pg_admin)
+            await conn.execute(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)")
+            await conn.close()
+
+        asyncio.run(drop())
         for server in owned:
             server.destroy()
 
-    return {name: sections[name] for name in stores if name in sections}, cleanup
+    return sections, store_pids, cleanup
 
 
-async def bench_store(name: str, storage: dict[str, Any], upstream_url: str, args: argparse.Namespace,
-                      workdir: Path) -> None:
-    proxy = ProxyProcess({"upstream": {"url": upstream_url}, "storage": storage,
-                          "tenant": {"from": "static"}, "log": {"access": "off", "level": "warning"}},
-                         workdir, name=f"bench-{name}")
-    await proxy.start()
-    try:
-        url = proxy.url + "/v1/charges"
-        run = uuid.uuid4().hex[:8]
-        results = {
-            "passthrough": await drive(url, args.seconds, args.concurrency, lambda i: {}),
-            "first": await drive(url, args.seconds, args.concurrency,
-                                 lambda i: {"Idempotency-Key": f"{run}-{i}"}),
-            "replay": await drive(url, args.seconds, args.concurrency,
-                                  lambda i: {"Idempotency-Key": f"{run}-{i % 100}"}),
-        }
-        text = await metrics(proxy)
-        rss = proxy.peak_rss_bytes() / 2**20
-    finally:
-        proxy.stop()
-    print(f"\nstore: {name}   (peak RSS of the proxy process: {rss:.1f} MiB)")
-    print(f"{'path':12} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'overhead p50 ms':>16} {'overhead p99 ms':>16}")
-    labels = {"passthrough": "passthrough", "first": "forwarded", "replay": "replayed"}
-    for path, r in results.items():
-        o50, o99 = quantiles(text, "idemproxy_overhead_seconds", f'outcome="{labels[path]}"')
-        errors = f"  ({r['errors']:.0f} non-201)" if r["errors"] else ""
-        o50_text, o99_text = f"≤ {o50:.2f}", f"≤ {o99:.2f}"
-        print(f"{path:12} {r['rps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {o50_text:>16} {o99_text:>16}{errors}")
-    operations = sorted({(line.split('backend="')[1].split('"')[0], line.split('operation="')[1].split('"')[0])
-                         for line in text.splitlines()
-                         if line.startswith("idemproxy_store_duration_seconds_count{")})
-    print("store operations, p50 / p99 ms: " + ", ".join(
-        "{}.{} ≤ {:.2f} / {:.2f}".format(b, o, *quantiles(
-            text, "idemproxy_store_duration_seconds", f'backend="{b}"', f'operation="{o}"'))
-        for b, o in operations))
+def proxy_config(upstream: str, storage: dict[str, Any]) -> dict[str, Any]:
+    return {"upstream": {"url": upstream}, "storage": storage, "tenant": {"from": "static"},
+            "routes": [{"prefix": "/plain", "enabled": False}],
+            "log": {"access": "off", "level": "warning"}, "drain_delay": "0s"}
+
+
+def report(targets: list[Target], reference: Target) -> None:
+    print(f"\n{'target':10} {'req/s':>8} {'x ref':>6} {'p50 ms':>7} {'p99 ms':>7} {'CPU µs/req':>11} "
+          f"{'x ref':>6} {'store µs/req':>13} {'non-2xx':>8}")
+    for target in targets:
+        ratios = [r["rps"] / ref["rps"] for r, ref in zip(target.rounds, reference.rounds, strict=True)]
+        cpu_ratios = [r["cpu_us"] / ref["cpu_us"] for r, ref in zip(target.rounds, reference.rounds, strict=True)]
+
+        def med(key: str, t: Target = target) -> float:
+            return statistics.median(r[key] for r in t.rounds)
+
+        print(f"{target.name:10} {med('rps'):8.0f} {statistics.median(ratios):6.2f} {med('p50'):7.2f} "
+              f"{med('p99'):7.2f} {med('cpu_us'):11.0f} {statistics.median(cpu_ratios):6.2f} "
+              f"{med('store_us'):13.0f} {sum(r['bad'] for r in target.rounds):8.0f}")
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=5.0, help="per path and store (default 5)")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--stores", default="redis,postgres,embedded")
+    parser.add_argument("--seconds", type=float, default=5.0, help="per target and round (default 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--rate-seconds", type=float, default=5.0, help="open-loop latency run per path")
     args = parser.parse_args()
-    stores = args.stores.split(",")
-    runner = web.AppRunner(upstream_app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    upstream_url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="idemproxy-bench-") as tmp:
         workdir = Path(tmp)
-        sections, cleanup = await storage_sections(stores, workdir)
+        script = workdir / "keys.lua"
+        script.write_text(WRK_SCRIPT)
+        sections, store_pids, cleanup = await stores(workdir)
+        up_port, ref_port = free_port(), free_port()
+        upstream = f"http://127.0.0.1:{up_port}"
+        proxies = {name: ProxyProcess(proxy_config(upstream, sections[name]), workdir, name=name)
+                   for name in ("redis", "postgres", "embedded")}
         try:
-            direct = await drive(upstream_url + "/v1/charges", args.seconds, args.concurrency, lambda i: {})
-            print(f"concurrency {args.concurrency}, {args.seconds:g} s per path, {os.cpu_count()} cores shared "
-                  "by client, proxy, upstream and stores")
-            print(f"direct to upstream: {direct['rps']:.0f} req/s, p50 {direct['p50_ms']:.2f} ms, "
-                  f"p99 {direct['p99_ms']:.2f} ms")
-            for name, storage in sections.items():
-                await bench_store(name, storage, upstream_url, args, workdir)
+            with process("bench/upstream.py", port=up_port), \
+                    process("bench/reference.py", upstream, port=ref_port) as ref_proc:
+                for proxy in proxies.values():
+                    await proxy.start()
+
+                def pid_of(name: str) -> Callable[[], list[int]]:
+                    return lambda: [proxies[name].proc.pid] if proxies[name].proc else []  # type: ignore[union-attr]
+
+                reference = Target("reference", f"http://127.0.0.1:{ref_port}/v1/charges", "none",
+                                   lambda: [ref_proc.pid])
+                targets = [
+                    reference,
+                    Target("off", proxies["redis"].url + "/plain/charges", "none", pid_of("redis")),
+                    Target("first", proxies["redis"].url + "/v1/charges", "first", pid_of("redis")),
+                    Target("replay", proxies["redis"].url + "/v1/charges", "replay", pid_of("redis")),
+                    Target("pg-first", proxies["postgres"].url + "/v1/charges", "first", pid_of("postgres")),
+                    Target("embedded", proxies["embedded"].url + "/v1/charges", "first", pid_of("embedded")),
+                ]
+                await open_loop(targets[3].url, "replay", 100, 0.5)  # the 100 replay keys exist
+                for _ in range(args.rounds):
+                    for target in targets:
+                        uses_store = target.name in ("first", "replay", "pg-first")
+                        target.rounds.append(await asyncio.to_thread(
+                            run_wrk, target, args.seconds, script, store_pids if uses_store else []))
+                print(f"wrk -t2 -c50, {args.seconds:g} s per target, {args.rounds} interleaved rounds, "
+                      f"{os.cpu_count()} cores shared by wrk, upstream, proxies and stores")
+                report(targets, reference)
+                direct = await open_loop(upstream + "/v1/charges", "none", 200, args.rate_seconds)
+                print(f"\nadded latency at 200 req/s over the upstream called directly "
+                      f"(direct: p50 {direct[0]:.2f} ms, p99 {direct[1]:.2f} ms):")
+                for target in (reference, targets[2], targets[3], targets[5]):
+                    p50, p99 = await open_loop(target.url, target.mode, 200, args.rate_seconds)
+                    print(f"  {target.name:10} p50 +{p50 - direct[0]:.2f} ms   p99 +{p99 - direct[1]:.2f} ms")
+                for name, proxy in proxies.items():
+                    print(f"peak RSS, idemproxy on {name}: {proxy.peak_rss_bytes() / 2**20:.1f} MiB")
         finally:
-            await runner.cleanup()
+            for proxy in proxies.values():
+                proxy.stop()
             await asyncio.to_thread(cleanup)
 
 

@@ -642,6 +642,13 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
         if idem.ttl < idem.lease:
             loader.error(f"{path}.ttl", f"{_fmt_seconds(idem.ttl)} must not be shorter than the lease")
     storage = config.storage
+    largest = max(idem.max_stored_response for idem in [config.idempotency, *(r.idempotency for r in config.routes)])
+    if storage.pending_settles.max_bytes < largest + 64 * 1024:
+        loader.error(
+            "storage.pending_settles.max_bytes",
+            f"{storage.pending_settles.max_bytes} bytes cannot hold one stored answer (max_stored_response "
+            f"{largest} bytes plus headers): a completion would be dropped as soon as the store failed",
+        )
     if storage.redis is not None and storage.postgres is None:
         loader.error(
             "storage.redis",

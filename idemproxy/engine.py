@@ -23,7 +23,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import aiohttp
@@ -157,10 +157,12 @@ class Engine:
         self._access_level: int | None = None if level == "OFF" else logging.getLevelName(level)
 
     async def drain(self, timeout: float = 30.0) -> None:
-        """At shutdown: wait for every shielded forward-and-settle task, then flush pending settles."""
+        """At shutdown: wait for the shielded forward-and-settle tasks, then flush pending settles, all within
+        one ``timeout``."""
+        deadline = time.monotonic() + timeout
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.settler.flush(timeout)
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        await self.settler.flush(max(deadline - time.monotonic(), 0.0))
 
     # ------------------------------------------------------------------ entry
 
@@ -293,9 +295,15 @@ class Engine:
 
     async def _claim_once(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
         token = new_token()
+        # The lease is counted from before the claim was sent: the store's clock starts it when the statement
+        # starts, and time the statement spent blocked (a row lock, a commit wait) is already gone from it.
+        sent = time.monotonic()
         try:
-            return await self.store.claim(tenant, key, fp, lease=idem.lease, ttl=idem.ttl, token=token)
-        except StoreUnavailable:
+            claim = await self.store.claim(tenant, key, fp, lease=idem.lease, ttl=idem.ttl, token=token)
+            return replace(claim, received=sent)
+        except StoreUnavailable as exc:
+            if not exc.maybe_applied:
+                raise
             # The claim may have landed although its answer never came back (a timeout, a cut after the
             # commit): the key would then sit in flight for a whole lease with nothing sent. Release it with the
             # token it would carry (fenced: harmless if it never landed), in the background.
@@ -305,7 +313,7 @@ class Engine:
                 lease_expires_at=now + idem.lease, response=None, created_at=now, completed_at=None,
                 expires_at=now + idem.ttl,
             ), owned=True, now=now)
-            self.settler.release_later(lambda: self.store.release(ghost), until=self._lease_end(ghost))
+            self.settler.release_later(lambda: self.store.release(ghost), until=sent + idem.lease)
             raise
 
     async def _decide(

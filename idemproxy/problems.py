@@ -149,9 +149,11 @@ class ResponseNotReplayable(Problem):
 class StoreUnavailable(Problem):
     status, code, title, outcome = 503, "store_unavailable", "Idempotency store unavailable", "store_error"
 
-    def __init__(self, detail: str, **extensions: Any) -> None:
+    def __init__(self, detail: str, *, maybe_applied: bool = True, **extensions: Any) -> None:
         super().__init__(detail, **extensions)
         self.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        # False when the operation certainly never reached the store (no connection): nothing to undo.
+        self.maybe_applied = maybe_applied
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

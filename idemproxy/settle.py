@@ -59,12 +59,14 @@ class Settler:
     def __init__(self, metrics: Metrics, bounds: PendingSettlesConfig) -> None:
         self.metrics = metrics
         self.bounds = bounds
-        self._jobs: dict[_Job, None] = {}  # insertion-ordered: the oldest first
+        # One insertion-ordered set per operation (the oldest first), bounded apart: releases (cheap, and
+        # possibly many during an outage) must never push out a completion, whose loss is a second execution.
+        self._jobs: dict[str, dict[_Job, None]] = {"complete": {}, "release": {}}
         self._bytes = 0
 
     @property
     def pending(self) -> int:
-        return len(self._jobs)
+        return sum(len(jobs) for jobs in self._jobs.values())
 
     async def complete(self, run: Operation, *, size: int, wait: float, give_up_after: float) -> bool | None:
         """Run a fenced completion: True landed, False refused, None still failing after ``wait`` seconds
@@ -92,14 +94,15 @@ class Settler:
 
     async def flush(self, timeout: float) -> None:
         """At shutdown: let pending work land for up to ``timeout`` seconds, then drop what is left."""
-        tasks = {job.task for job in self._jobs if job.task is not None}
+        tasks = {job.task for jobs in self._jobs.values() for job in jobs if job.task is not None}
         if not tasks:
             return
         log.info("flushing %d pending settles (up to %gs)", len(tasks), timeout)
         _, left = await asyncio.wait(tasks, timeout=timeout)
         if left:
-            for job in list(self._jobs):
-                self._drop(job, "shutdown")
+            for jobs in self._jobs.values():
+                for job in list(jobs):
+                    self._drop(job, "shutdown")
             await asyncio.wait(left, timeout=MAX_RETRY_GAP * 2)
             for task in left:
                 task.cancel()  # an attempt stuck in the store past its own timeout
@@ -108,12 +111,14 @@ class Settler:
 
     def _start(self, operation: str, run: Operation, size: int, deadline: float) -> _Job:
         job = _Job(operation, run, size, deadline)
-        self._jobs[job] = None
+        jobs = self._jobs[operation]
+        jobs[job] = None
         self._bytes += size
         job.task = asyncio.get_running_loop().create_task(self._retry(job), name=f"idemproxy-settle-{operation}")
-        self.metrics.pending_settles.set(len(self._jobs))
-        while self._jobs and (len(self._jobs) > self.bounds.max_count or self._bytes > self.bounds.max_bytes):
-            self._drop(next(iter(self._jobs)), "bound")
+        self.metrics.pending_settles.set(self.pending)
+        while jobs and (len(jobs) > self.bounds.max_count
+                        or (operation == "complete" and self._bytes > self.bounds.max_bytes)):
+            self._drop(next(iter(jobs)), "bound")
         return job
 
     def _drop(self, job: _Job, why: str) -> None:
@@ -123,15 +128,16 @@ class Settler:
         self._forget(job)
         self.metrics.settles_dropped.inc()
         log.error(
-            "dropped a pending %s (%s: %d pending, %d bytes; bounds %d, %d bytes): the record keeps its lease "
-            "and a retry takes the key over after it", job.operation, why, len(self._jobs), self._bytes,
-            self.bounds.max_count, self.bounds.max_bytes,
+            "dropped a pending %s (%s: %d pending, %d bytes; bounds %d, %d bytes)%s", job.operation, why,
+            self.pending, self._bytes, self.bounds.max_count, self.bounds.max_bytes,
+            ": unless it lands first, the record keeps its lease and a retry takes the key over after it"
+            if job.operation == "complete" else "",
         )
 
     def _forget(self, job: _Job) -> None:
-        if self._jobs.pop(job, False) is None:
+        if self._jobs[job.operation].pop(job, False) is None:
             self._bytes -= job.size
-            self.metrics.pending_settles.set(len(self._jobs))
+            self.metrics.pending_settles.set(self.pending)
 
     async def _retry(self, job: _Job) -> bool | None:
         attempt = 0

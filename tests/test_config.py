@@ -95,6 +95,8 @@ def test_sizes(text: Any, size: int) -> None:
          "idempotency.settle_timeout: 'soon' is not a duration"),
         ({"upstream": UP, "storage": {"pending_settles": {"max_count": 0}}},
          "storage.pending_settles.max_count: 0 is out of range"),
+        ({"upstream": UP, "storage": {"pending_settles": {"max_bytes": "512KiB"}}},
+         "storage.pending_settles.max_bytes: 524288 bytes cannot hold one stored answer"),
         ({"upstream": UP, "routes": [{"prefix": "/a", "colour": "red"}]},
          "routes[0].colour: unknown key"),
         ({"upstream": UP, "storage": {"redis": {"url": "redis://h:6379/0"}}},

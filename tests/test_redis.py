@@ -158,3 +158,40 @@ async def test_a_completion_racing_a_release_cannot_bring_the_record_back_into_t
     await store._settle("t", "race", claim.token, payload=payload, ttl=600, epoch=claim.cache_epoch or "")
     again = await store.claim("t", "race", "f" * 64, lease=30, ttl=600)
     assert again.owned, "a released record came back from the replay cache"
+
+
+async def test_an_evicted_epoch_never_lets_a_stale_write_into_the_cache(
+    make_proxy: ProxyFactory, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    """A refill read the epoch, an admin release renewed it, then Redis lost the epoch key (eviction, restart):
+    the late write must not land, as a missing epoch is never "unchanged"."""
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    store = fronted(proxy)
+    claim = await store.claim("t", "evict", "f" * 64, lease=30, ttl=600)
+    response = StoredResponse(status=201, headers=(), body=b'{"id": 1}')
+    assert await store.durable.complete(claim, response, ttl=600)
+    assert await store.forget("t", "evict")
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        client.delete(store._keys("t", "evict")[2])  # the epoch is gone
+        payload = _encode(replace(claim.record, state=State.COMPLETED, response=response, completed_at=0.0))
+        await store._settle("t", "evict", claim.token, payload=payload, ttl=600, epoch=claim.cache_epoch or "")
+        assert client.get(store._keys("t", "evict")[1]) is None
+    finally:
+        client.close()
+    assert (await store.claim("t", "evict", "f" * 64, lease=30, ttl=600)).owned
+
+
+async def test_an_undecodable_cache_entry_falls_back_to_postgres_not_500(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    _, first_body = await proxy.post("/v1/charges", key="garbled", body=CHARGE)
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        client.set(redis_keys(proxy, "garbled")[1], b"not a record", px=60_000)
+    finally:
+        client.close()
+    again, again_body = await proxy.post("/v1/charges", key="garbled", body=CHARGE)
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true" and again_body == first_body
+    assert upstream.count(key="garbled") == 1

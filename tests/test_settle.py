@@ -206,3 +206,61 @@ async def test_graceful_shutdown_flushes_pending_completions(
         await conn.close()
     assert state == "completed"
     assert upstream.count(key="flush-1") == 1
+
+
+async def test_a_claim_blocked_in_the_store_never_forwards_into_its_own_takeover(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
+) -> None:
+    """The lease runs from when the claim was sent: a claim that sat 1.5 s behind a lock has too little of its
+    3 s lease left to forward within it (upstream.timeout 1 s + the 2 s margin), so nothing is sent."""
+    proxy = await make_proxy(storage_section=pg_section(clean_pg), **FAST)
+    assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+    locker = await asyncpg.connect(clean_pg)
+    try:
+        lock = locker.transaction()
+        await lock.start()
+        await locker.execute("LOCK TABLE idemproxy_records IN ACCESS EXCLUSIVE MODE")
+        pending = asyncio.ensure_future(proxy.post("/v1/charges", key="slow-claim", body=CHARGE))
+        await asyncio.sleep(1.5)
+        await lock.rollback()
+    finally:
+        await locker.close()
+    resp, body = await pending
+    assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable"
+    assert upstream.count(key="slow-claim") == 0
+
+    async def released() -> bool:  # released at once (nothing was sent), not held for the lease
+        again, _ = await proxy.post("/v1/charges", key="slow-claim", body=CHARGE)
+        return again.status == 201
+
+    await until_async(released, timeout=2.5)
+
+
+async def test_background_releases_never_push_out_a_pending_completion() -> None:
+    """During an outage many claims fail and leave releases to retry; the bound on them must not drop the
+    completion whose loss would mean a second execution."""
+    from idemproxy.config import PendingSettlesConfig
+    from idemproxy.metrics import Metrics
+    from idemproxy.problems import StoreUnavailable
+    from idemproxy.settle import Settler
+
+    store_up = asyncio.Event()
+    landed: list[str] = []
+
+    def operation(name: str) -> Callable[[], Awaitable[bool]]:
+        async def run() -> bool:
+            if not store_up.is_set():
+                raise StoreUnavailable("down")
+            landed.append(name)
+            return True
+        return run
+
+    metrics = Metrics()
+    settler = Settler(metrics, PendingSettlesConfig(max_count=2, max_bytes=1 << 20))
+    assert await settler.complete(operation("complete"), size=100, wait=0.05, give_up_after=60) is None
+    for i in range(5):
+        settler.release_later(operation(f"release-{i}"), until=time.monotonic() + 60)
+    assert settler.pending == 3  # the completion and the two newest releases
+    store_up.set()
+    await settler.flush(5)
+    assert "complete" in landed and sorted(landed) == ["complete", "release-3", "release-4"]

@@ -136,8 +136,9 @@ class EmbeddedStore(Store):
             loop = asyncio.get_running_loop()
             try:
                 return await loop.run_in_executor(self._executor, fn)
-            except (sqlite3.Error, OSError) as exc:
-                raise StoreUnavailable("The idempotency store (embedded) is unavailable.") from exc
+            except (sqlite3.Error, OSError) as exc:  # the transaction rolled back: nothing was applied
+                raise StoreUnavailable("The idempotency store (embedded) is unavailable.",
+                                       maybe_applied=False) from exc
 
     def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> Callable[[], T]:
         def run() -> T:

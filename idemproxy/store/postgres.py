@@ -114,7 +114,7 @@ DELETE FROM {TABLE} WHERE ctid IN (
 
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
 # The request's own data was refused (a value too long to index, say): permanent, so never "unavailable".
-_DATA_ERRORS = (asyncpg.DataError, asyncpg.ProgramLimitExceededError)
+_DATA_ERRORS = (asyncpg.DataError, asyncpg.ProgramLimitExceededError)  # on a claim: the key or tenant itself
 LISTEN_RETRY = 1.0  # seconds between attempts to re-establish LISTEN after its connection was lost
 
 
@@ -147,9 +147,9 @@ def _record(row: Any) -> Record:
     )
 
 
-def _unavailable(operation: str, exc: BaseException) -> StoreUnavailable:
+def _unavailable(operation: str, exc: BaseException, *, maybe_applied: bool = True) -> StoreUnavailable:
     log.warning("postgres %s failed: %s: %s", operation, type(exc).__name__, exc)
-    return StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.")
+    return StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.", maybe_applied=maybe_applied)
 
 
 async def _first(*waits: Any) -> None:
@@ -294,7 +294,7 @@ class PostgresStore(Store):
             try:
                 conn = await self._pool.acquire(timeout=OPERATION_TIMEOUT)
             except Exception as exc:
-                raise _unavailable(operation, exc) from exc
+                raise _unavailable(operation, exc, maybe_applied=False) from exc
             try:
                 yield conn
             except BaseException as exc:
@@ -302,7 +302,7 @@ class PostgresStore(Store):
                 # our handle refuses, and the connection is gone anyway.
                 with contextlib.suppress(Exception):
                     conn.terminate()
-                if isinstance(exc, _DATA_ERRORS):
+                if isinstance(exc, _DATA_ERRORS) and operation == "claim":  # the request's own key or tenant
                     raise StoreRejected("The idempotency key or tenant cannot be stored.") from exc
                 if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
                     raise _unavailable(operation, exc) from exc

@@ -43,7 +43,9 @@ log = logging.getLogger("idemproxy.store.redis")
 SOCKET_TIMEOUT = 0.5  # seconds: Redis is the fast path; slower than this, PostgreSQL answers instead
 BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
 CLOSE_TIMEOUT = 2.0  # seconds any one shutdown step may take
-EPOCH_MIN_TTL = 24 * 3600.0  # an epoch outlives any completion that could still race the release it marks
+# An epoch must outlive the window between a writer's read of it and its write (a claim and its completion);
+# one that expires sooner only costs that write (refused), never correctness.
+EPOCH_MIN_TTL = 600.0
 SUBSCRIBER_READ_TIMEOUT = 1.0  # how often the subscriber looks up from its socket to see if it should stop
 
 # Per (tenant, key) Redis holds a lock, a replay-cache entry and an epoch. The epoch is a random value an admin
@@ -51,29 +53,31 @@ SUBSCRIBER_READ_TIMEOUT = 1.0  # how often the subscriber looks up from its sock
 # and lands only if the epoch is unchanged, so no completion or refill that raced a release can bring a released
 # record back into the cache.
 #
-# KEYS: lock, response, epoch. ARGV: "token fingerprint", lease in ms.
+# An epoch that is missing (never set, evicted, lost in a restart) is created anew by the next claim, never
+# read as "unchanged": a writer that read one and finds none (or another) does not write.
+#
+# KEYS: lock, response, epoch. ARGV: "token fingerprint", lease in ms, a fresh epoch, epoch ttl ms.
 # Returns {"completed", payload} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
 _CLAIM = """
 local cached = redis.call('GET', KEYS[2])
 if cached then return {'completed', cached} end
-local epoch = redis.call('GET', KEYS[3]) or ''
+local epoch = redis.call('GET', KEYS[3])
+if not epoch then epoch = ARGV[3]; redis.call('SET', KEYS[3], epoch, 'PX', ARGV[4]) end
 local lock = redis.call('GET', KEYS[1])
 if lock then return {'in_flight', lock, redis.call('PTTL', KEYS[1]), epoch} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {'acquired', epoch}
 """
 # KEYS: lock, response, epoch. ARGV: token, payload ('' = do not cache), cache ttl ms, channel, message,
-# epoch seen, publish ('1'/'0'), replacement lock value ('' = delete the lock), its ttl ms.
-# Caches the payload if the epoch is unchanged; if the lock is still ours, drops it (or hands it to the owner the
-# durable store named); wakes waiters everywhere only when something changed.
+# epoch seen, publish ('1'/'0').
+# Caches the payload only if the epoch is still the one seen; drops the lock if it is still ours; wakes waiters
+# everywhere only when something changed.
 _SETTLE = """
-if ARGV[2] ~= '' and (redis.call('GET', KEYS[3]) or '') == ARGV[6] then
+if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[6] then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 end
 local lock = redis.call('GET', KEYS[1])
-if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
-  if ARGV[8] ~= '' then redis.call('SET', KEYS[1], ARGV[8], 'PX', ARGV[9]) else redis.call('DEL', KEYS[1]) end
-end
+if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
 if ARGV[7] == '1' then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
 return 1
 """
@@ -87,6 +91,8 @@ return 1
 UNKNOWN_EPOCH = "?"  # never equals a stored epoch: a writer that never read one may not fill the cache
 
 _ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+# Also a Redis failure: a value that does not decode (another version's format, a key-prefix collision).
+_FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ class RedisFrontedStore(Store):
         self._forget_script = self.redis.register_script(_FORGET)
         self._down_until = 0.0
         self._degraded = False
+        self._epoch_ms = int(max(config.replay_cache_ttl, EPOCH_MIN_TTL) * 1000)
         self._subscriber: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
 
@@ -209,7 +216,7 @@ class RedisFrontedStore(Store):
         started = time.perf_counter()
         try:
             yield usable
-        except _ERRORS as exc:
+        except _FAST_ERRORS as exc:
             usable[0] = False
             if self.metrics is not None:
                 self.metrics.store_errors.labels("redis", operation).inc()
@@ -235,7 +242,8 @@ class RedisFrontedStore(Store):
         async with self._fast("claim") as usable:
             if usable[0]:
                 reply = await self._claim_script(
-                    keys=self._keys(tenant, key), args=[f"{token} {fingerprint}", int(lease * 1000)]
+                    keys=self._keys(tenant, key),
+                    args=[f"{token} {fingerprint}", int(lease * 1000), new_token(), self._epoch_ms],
                 )
                 kind = reply[0].decode()
                 if kind == "completed":  # written only after the durable store completed: authoritative
@@ -285,32 +293,29 @@ class RedisFrontedStore(Store):
 
     async def _repair(self, tenant: str, key: str, token: str, epoch: str, claim: Claim, locked: bool) -> None:
         """Redis had lost what the durable store knows (restart, eviction, expired cache): refill the replay
-        cache for a completed record, or hand our lock to the in-flight owner so duplicates are answered by
-        Redis again. No publish: nothing changed, and a wake-up here would make a waiter spin."""
+        cache for a completed record, and drop a lock we took for an owner Redis had forgotten. No publish:
+        nothing changed, and a wake-up here would make a waiter spin. (The lock is not handed to the owner:
+        our read may already be stale, and a stale hand-over would answer 409 after the owner settled.)"""
         record = claim.record
         if record.state is State.COMPLETED:
             await self._settle(tenant, key, token, payload=_encode(record), ttl=record.expires_at - claim.now,
                                epoch=epoch, publish=False)
         elif locked:
-            lease_ms = int(((record.lease_expires_at or claim.now) - claim.now) * 1000)
-            owner = f"{record.lease_token or '-'} {record.fingerprint}"
-            await self._settle(tenant, key, token, publish=False,
-                               hand_over=(owner, lease_ms) if lease_ms > 0 else None)
+            await self._settle(tenant, key, token, publish=False)
 
     async def _settle(
         self, tenant: str, key: str, token: str, *, payload: bytes = b"", ttl: float = 0.0,
-        epoch: str = UNKNOWN_EPOCH, publish: bool = True, hand_over: tuple[str, int] | None = None,
+        epoch: str = UNKNOWN_EPOCH, publish: bool = True,
     ) -> None:
         """Cache ``payload`` (if any, and only if the epoch is still ``epoch``), drop the lock if ``token``
-        holds it (or hand it over), and wake waiters when ``publish``."""
+        holds it, and wake waiters when ``publish``."""
         cache_ms = max(1, int(min(self.config.replay_cache_ttl, ttl) * 1000))
-        new_lock, new_lock_ms = hand_over if hand_over is not None else ("", 0)
         async with self._fast("settle") as usable:
             if usable[0]:
                 await self._settle_script(
                     keys=self._keys(tenant, key),
                     args=[token, payload, cache_ms, self.channel, self.watchers.message(tenant, key), epoch,
-                          "1" if publish else "0", new_lock, new_lock_ms],
+                          "1" if publish else "0"],
                 )
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
@@ -348,11 +353,10 @@ class RedisFrontedStore(Store):
         return done
 
     async def _purge(self, tenant: str, key: str) -> None:
-        epoch_ms = int(max(self.config.replay_cache_ttl, EPOCH_MIN_TTL) * 1000)
         try:
             await self._forget_script(
                 keys=self._keys(tenant, key),
-                args=[self.channel, self.watchers.message(tenant, key), new_token(), epoch_ms],
+                args=[self.channel, self.watchers.message(tenant, key), new_token(), self._epoch_ms],
             )
         except _ERRORS as exc:
             if self.metrics is not None:

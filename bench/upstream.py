@@ -1,0 +1,26 @@
+"""The benchmark's upstream: answers every request at once with a small JSON body (201 for POST).
+
+    python bench/upstream.py PORT
+"""
+
+from __future__ import annotations
+
+import sys
+
+import uvloop
+from aiohttp import web
+
+BODY = b'{"id": "ch_1", "object": "charge", "status": "succeeded", "amount": 1000, "currency": "eur"}'
+
+
+async def handle(request: web.Request) -> web.Response:
+    await request.read()
+    return web.Response(status=201 if request.method == "POST" else 200, body=BODY,
+                        content_type="application/json")
+
+
+if __name__ == "__main__":
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", handle)
+    web.run_app(application, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None,
+                loop=uvloop.new_event_loop())
