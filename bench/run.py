@@ -58,7 +58,7 @@ function request()
   counter = counter + 1
   local headers = {["Content-Type"] = "application/json"}
   if mode == "first" then headers["Idempotency-Key"] = prefix .. "-" .. tid .. "-" .. counter
-  elseif mode == "replay" then headers["Idempotency-Key"] = prefix .. "-" .. (counter % 100) end
+  elseif mode == "replay" then headers["Idempotency-Key"] = "warm-" .. (counter % 100) end
   return wrk.format("POST", nil, headers, '@BODY@')
 end
 """.replace("@BODY@", BODY)
@@ -132,9 +132,10 @@ def _ms(text: str) -> float:
 
 
 async def open_loop(url: str, mode: str, rate: float, seconds: float) -> tuple[float, float]:
-    """Requests at a fixed rate (not back to back): p50/p99 latency in ms at that load."""
+    """Requests at a fixed rate (not back to back): p50/p99 latency in ms at that load. Replays use the keys
+    ``warm-0`` .. ``warm-99`` (sent once first), as the wrk script does."""
     latencies: list[float] = []
-    prefix = uuid.uuid4().hex[:8]
+    prefix = "warm" if mode == "replay" else uuid.uuid4().hex[:8]
     async with aiohttp.ClientSession() as session:
         async def one(i: int) -> None:
             headers = {"Content-Type": "application/json"}
@@ -222,6 +223,31 @@ def proxy_config(upstream: str, storage: dict[str, Any]) -> dict[str, Any]:
             "log": {"access": "off", "level": "warning"}, "drain_delay": "0s"}
 
 
+def profile(target: Target, seconds: float, script: Path, workdir: Path) -> None:
+    """py-spy samples the target's process while wrk drives it; prints the heaviest frames, self and inclusive."""
+    out = workdir / "profile.txt"
+    spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw", "-r", "500",
+                            "-o", str(out), "-d", f"{seconds:g}", "-p", str(target.pids()[0])],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_wrk(target, seconds, script, [])
+    spy.wait(seconds + 30)
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in out.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f.split(" (")[0] + " " + f.split("/")[-1].rstrip(")") for f in stack.split(";")]
+        total += int(count)
+        own[frames[-1]] = own.get(frames[-1], 0) + int(count)
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + int(count)
+    limit = int(os.environ.get("IDEMPROXY_PROFILE_TOP", "25"))
+    for title, table in (("self", own), ("inclusive", inclusive)):
+        print(f"\n{title} time, top {limit} of {total} samples ({target.name}):")
+        for frame, count in sorted(table.items(), key=lambda kv: -kv[1])[:limit]:
+            print(f"  {100 * count / total:5.1f}%  {frame}")
+
+
 def report(targets: list[Target], reference: Target) -> None:
     print(f"\n{'target':10} {'req/s':>8} {'x ref':>6} {'p50 ms':>7} {'p99 ms':>7} {'CPU µs/req':>11} "
           f"{'x ref':>6} {'store µs/req':>13} {'non-2xx':>8}")
@@ -242,6 +268,9 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="per target and round (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--rate-seconds", type=float, default=5.0, help="open-loop latency run per path")
+    parser.add_argument("--only", help="comma-separated targets to measure (the reference always runs)")
+    parser.add_argument("--profile", metavar="TARGET",
+                        help="instead: run py-spy on TARGET's proxy under wrk load and print where its CPU goes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="idemproxy-bench-") as tmp:
         workdir = Path(tmp)
@@ -267,11 +296,17 @@ async def main() -> None:
                     reference,
                     Target("off", proxies["redis"].url + "/plain/charges", "none", pid_of("redis")),
                     Target("first", proxies["redis"].url + "/v1/charges", "first", pid_of("redis")),
-                    Target("replay", proxies["redis"].url + "/v1/charges", "replay", pid_of("redis")),
+                    replay := Target("replay", proxies["redis"].url + "/v1/charges", "replay", pid_of("redis")),
                     Target("pg-first", proxies["postgres"].url + "/v1/charges", "first", pid_of("postgres")),
                     Target("embedded", proxies["embedded"].url + "/v1/charges", "first", pid_of("embedded")),
                 ]
-                await open_loop(targets[3].url, "replay", 100, 0.5)  # the 100 replay keys exist
+                await open_loop(replay.url, "replay", 100, 0.5)  # the 100 replay keys exist
+                if args.profile:
+                    target = next(t for t in targets if t.name == args.profile)
+                    await asyncio.to_thread(profile, target, args.seconds, script, workdir)
+                    return
+                if args.only:
+                    targets = [t for t in targets if t is reference or t.name in args.only.split(",")]
                 for _ in range(args.rounds):
                     for target in targets:
                         uses_store = target.name in ("first", "replay", "pg-first")
@@ -283,7 +318,7 @@ async def main() -> None:
                 direct = await open_loop(upstream + "/v1/charges", "none", 200, args.rate_seconds)
                 print(f"\nadded latency at 200 req/s over the upstream called directly "
                       f"(direct: p50 {direct[0]:.2f} ms, p99 {direct[1]:.2f} ms):")
-                for target in (reference, targets[2], targets[3], targets[5]):
+                for target in (t for t in targets if t.name in ("reference", "first", "replay", "embedded")):
                     p50, p99 = await open_loop(target.url, target.mode, 200, args.rate_seconds)
                     print(f"  {target.name:10} p50 +{p50 - direct[0]:.2f} ms   p99 +{p99 - direct[1]:.2f} ms")
                 for name, proxy in proxies.items():

@@ -186,12 +186,12 @@ class Engine:
 
     def _observe(self, request: web.Request, route: str, ex: _Exchange, started: float) -> None:
         total = time.perf_counter() - started
-        m = self.metrics
-        m.requests.labels(route, request.method, ex.outcome).inc()
-        m.request_duration.labels(ex.outcome).observe(total)
-        m.overhead.labels(ex.outcome).observe(max(total - ex.upstream_seconds, 0.0))
+        requests, duration, overhead = self.metrics.per_request(route, request.method, ex.outcome)
+        requests.inc()
+        duration.observe(total)
+        overhead.observe(max(total - ex.upstream_seconds, 0.0))
         if ex.upstream_seconds:
-            m.upstream_duration.observe(ex.upstream_seconds)
+            self.metrics.upstream_duration.observe(ex.upstream_seconds)
         if self._access_level is None or not access_log.isEnabledFor(self._access_level):
             return
         access_log.log(

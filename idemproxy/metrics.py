@@ -7,6 +7,7 @@ Each app owns a registry so that several proxies in one process (tests) do not m
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -28,6 +29,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
         r = self.registry
         self.requests = Counter(
             "idemproxy_requests", "Requests by route, method and outcome",
@@ -79,6 +81,21 @@ class Metrics:
         self.records_expired = Counter(
             "idemproxy_records_expired", "Records removed or replaced after their TTL", registry=r,
         )
+
+    def per_request(self, route: str, method: str, outcome: str) -> tuple[Any, Any, Any]:
+        """The labelled children every request updates, looked up once per label set (``labels()`` costs a
+        lock and a dict lookup each time; methods, routes and outcomes are few)."""
+        key = (route, method, outcome)
+        children = self._children.get(key)
+        if children is None:
+            if len(self._children) >= 1024:  # odd methods from hostile clients: do not grow without bound
+                self._children.clear()
+            children = self._children[key] = (
+                self.requests.labels(route, method, outcome),
+                self.request_duration.labels(outcome),
+                self.overhead.labels(outcome),
+            )
+        return children
 
     def render(self) -> bytes:
         """The Prometheus text exposition (aggregated over workers in multiprocess mode)."""

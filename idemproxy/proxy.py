@@ -23,6 +23,7 @@ from idemproxy.problems import BadRequest, UpstreamReset, UpstreamTimeout, Upstr
 log = logging.getLogger("idemproxy.proxy")
 
 CHUNK = 64 * 1024
+SMALL_BODY = 64 * 1024  # plain proxying reads bodies up to this size whole instead of streaming them
 
 # RFC 9110 §7.6.1, plus the legacy names proxies meet in practice.
 HOP_BY_HOP = frozenset({
@@ -193,10 +194,20 @@ class Upstream:
             )
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Plain reverse proxy: both bodies streamed in chunks, memory bounded."""
-        body = _stream_body(request) if request.body_exists else None
+        """Plain reverse proxy. Bodies up to SMALL_BODY bytes (declared) are read whole and sent in one write:
+        cheaper than chunked streaming, which costs a write per chunk and chunked framing. Anything larger, or
+        of unknown length, streams in chunks, so memory stays bounded."""
+        length = request.content_length
+        body: bytes | AsyncIterator[bytes] | None = None
+        if request.body_exists:
+            body = await request.read() if length is not None and length <= SMALL_BODY else _stream_body(request)
         upstream = await self.send(request, upstream_request_headers(request), body)
         try:
+            if _small_answer(request, upstream):
+                with upstream_errors():  # nothing sent to the client yet: a broken body is a proper 502
+                    payload = await upstream.read()
+                return web.Response(status=upstream.status, reason=upstream.reason,
+                                    headers=client_response_headers(upstream), body=payload)
             return await stream_response(request, upstream)
         finally:
             upstream.release()
@@ -231,6 +242,13 @@ class Upstreams:
     async def close(self) -> None:
         for upstream in reversed(self._pools.values()):
             await upstream.close()
+
+
+def _small_answer(request: web.Request, upstream: aiohttp.ClientResponse) -> bool:
+    """A response with a declared small body (HEAD, 204 and 304 keep the streaming path's header handling)."""
+    length = upstream.content_length
+    return (length is not None and length <= SMALL_BODY and request.method != "HEAD"
+            and upstream.status not in (204, 304))
 
 
 async def _stream_body(request: web.Request) -> AsyncIterator[bytes]:
