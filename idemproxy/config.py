@@ -431,20 +431,11 @@ def _store_key(value: Any) -> Secret:
     return Secret(text)
 
 
-def _store_keys(value: Any) -> tuple[Secret, ...]:
-    """``previous_keys``: each checked like ``key``, its index in the error."""
+def _store_keys(value: Any) -> tuple[Any, ...]:
+    """``previous_keys``: a list here; each item is checked by :func:`_encryption`, with its index in the path."""
     if not isinstance(value, list):
         raise _Invalid("is not a list of keys")
-    errors = []
-    keys = []
-    for index, item in enumerate(value):
-        try:
-            keys.append(_store_key(item))
-        except _Invalid as exc:
-            errors.append(f"[{index}]: {exc}")
-    if errors:
-        raise _Invalid("; ".join(errors))
-    return tuple(keys)
+    return tuple(value)
 
 
 def _network(value: Any) -> IPNetwork:
@@ -682,11 +673,18 @@ def _optional(loader: _Loader, cls: type[T], path: str, raw: dict[str, Any]) -> 
 
 def _encryption(loader: _Loader, raw: dict[str, Any]) -> EncryptionConfig | None:
     config = _optional(loader, EncryptionConfig, "storage.encryption", raw)
-    if config is not None and not config.key:
-        if isinstance(raw["encryption"], dict) and "key" not in raw["encryption"]:
-            loader.error("storage.encryption.key", "is required when storage.encryption is set "
-                         "(e.g. key: ${IDEMPROXY_STORE_KEY}; generate one with: idemproxy gen-key)")
-    return config
+    if config is None:
+        return None
+    if not config.key and isinstance(raw["encryption"], dict) and "key" not in raw["encryption"]:
+        loader.error("storage.encryption.key", "is required when storage.encryption is set "
+                     "(e.g. key: ${IDEMPROXY_STORE_KEY}; generate one with: idemproxy gen-key)")
+    previous = []
+    for index, item in enumerate(config.previous_keys):
+        try:
+            previous.append(_store_key(item))
+        except _Invalid as exc:
+            loader.error(f"storage.encryption.previous_keys[{index}]", str(exc))
+    return replace(config, previous_keys=tuple(previous))
 
 
 def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[Any], T], default: T) -> T:
