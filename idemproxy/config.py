@@ -208,7 +208,7 @@ class CompressionConfig:
 class EncryptionConfig:
     """AES-256-GCM over stored responses: ``key`` seals new values; every key opens the values it sealed."""
 
-    key: Secret = field(default_factory=lambda: Secret(""))  # base64 of 32 bytes
+    key: Secret = field(default_factory=lambda: Secret(""))  # base64 of 32 bytes; empty: seal nothing new
     previous_keys: tuple[Secret, ...] = ()
 
 
@@ -675,7 +675,10 @@ def _encryption(loader: _Loader, raw: dict[str, Any]) -> EncryptionConfig | None
     config = _optional(loader, EncryptionConfig, "storage.encryption", raw)
     if config is None:
         return None
-    if not config.key and isinstance(raw["encryption"], dict) and "key" not in raw["encryption"]:
+    # Without a key but with previous_keys, new values are stored in clear and old sealed ones still open:
+    # the way to turn encryption off without losing the records it sealed.
+    given = raw["encryption"] or {}
+    if isinstance(given, dict) and "key" not in given and not config.previous_keys:
         loader.error("storage.encryption.key", "is required when storage.encryption is set "
                      "(e.g. key: ${IDEMPROXY_STORE_KEY}; generate one with: idemproxy gen-key)")
     previous = []

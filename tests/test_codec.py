@@ -340,3 +340,17 @@ async def test_an_expired_record_whose_key_was_removed_is_claimable_again(
     async with opened(with_codec(section, KEY_B)) as store:
         again = await store.claim("t", "short", FP, lease=30, ttl=600)
         assert again.owned and again.replaced_expired
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_encryption_turned_off_with_previous_keys_still_opens_what_was_sealed(
+    backend: str, storage: StorageFactory
+) -> None:
+    section = storage(backend)
+    async with opened(with_codec(section, KEY_A)) as store:
+        await completed(store, "sealed")
+    reading_only = {**section, "encryption": {"previous_keys": [KEY_A]}}
+    async with opened(reading_only) as store:
+        assert await replayed(store, "sealed") == CARD
+        await completed(store, "clear")
+        assert b"tok_live_SECRET123" in await raw_bytes(backend, section, store, "t", "clear")

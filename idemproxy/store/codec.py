@@ -104,8 +104,10 @@ class Codec:
         self._sealing: tuple[bytes, AESGCM] | None = None
         if encryption is not None:
             for secret in (encryption.key, *encryption.previous_keys):
-                self._keys.setdefault(*self._cipher(secret))
-            self._sealing = self._cipher(encryption.key)
+                if secret:
+                    self._keys.setdefault(*self._cipher(secret))
+            if encryption.key:  # without one, previous_keys only read (turning encryption off)
+                self._sealing = self._cipher(encryption.key)
 
     @classmethod
     def from_config(cls, storage: StorageConfig, *, max_body: int, metrics: Metrics | None = None) -> Codec:
@@ -129,7 +131,8 @@ class Codec:
             parts.append(f"encryption AES-256-GCM with key id {self._sealing[0].hex()}"
                          + (f" (also reading key ids {', '.join(others)})" if others else ""))
         else:
-            parts.append("no encryption")
+            parts.append("no encryption" + (f" (reading key ids {', '.join(k.hex() for k in self._keys)})"
+                                            if self._keys else ""))
         return "stored responses: " + "; ".join(parts)
 
     # ------------------------------------------------------------------ frames
