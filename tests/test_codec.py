@@ -354,3 +354,32 @@ async def test_encryption_turned_off_with_previous_keys_still_opens_what_was_sea
         assert await replayed(store, "sealed") == CARD
         await completed(store, "clear")
         assert b"tok_live_SECRET123" in await raw_bytes(backend, section, store, "t", "clear")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_an_operator_can_release_a_record_that_does_not_open(
+    backend: str, make_proxy: ProxyFactory, storage: StorageFactory, upstream: RecordingUpstream
+) -> None:
+    """Never executed again *by the proxy*; the admin release is the operator's explicit decision to allow it."""
+    from aiohttp import ClientSession
+    from aiohttp.test_utils import TestServer
+
+    section = storage(backend)
+    first = await make_proxy(storage_section=with_codec(section, KEY_A))
+    assert (await post_charge(first, "pay-1"))[0] == 201
+    await first.server.close()
+    second = await make_proxy(storage_section=with_codec(section, KEY_B), admin={"token": "admin-token"})
+    assert (await post_charge(second, "pay-1"))[0] == 503
+    tenant = second.proxy.engine.resolve_tenant_value("Bearer t1")
+    admin = TestServer(second.proxy.admin_app(), host="127.0.0.1")
+    await admin.start_server()
+    try:
+        async with ClientSession(headers={"Authorization": "Bearer admin-token"}) as session:
+            async with session.get(admin.make_url(f"/admin/keys/{tenant}/pay-1")) as shown:
+                assert shown.status == 503
+            async with session.delete(admin.make_url(f"/admin/keys/{tenant}/pay-1")) as deleted:
+                assert deleted.status == 200 and (await deleted.json())["state"] == "completed"
+    finally:
+        await admin.close()
+    assert (await post_charge(second, "pay-1"))[0] == 201
+    assert upstream.count() == 2
