@@ -383,3 +383,29 @@ async def test_an_operator_can_release_a_record_that_does_not_open(
         await admin.close()
     assert (await post_charge(second, "pay-1"))[0] == 201
     assert upstream.count() == 2
+
+
+def test_a_payload_over_the_read_bound_is_stored_uncompressed_so_it_always_reads_back() -> None:
+    c = codec(compress=True, max_body=1024)
+    headers = tuple((f"X-H{i}", "v" * 1000) for i in range(300))  # 300 KB of headers: over the margin
+    frame = c.pack("t", "k", headers, b"x" * 1024)
+    assert frame[len(MAGIC)] == 0
+    assert c.unpack("t", "k", frame, backend="postgres") == (headers, b"x" * 1024)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_response_too_large_to_store_keeps_its_status_and_headers_when_sealed(
+    backend: str, storage: StorageFactory
+) -> None:
+    metrics = Metrics()
+    section = with_codec(storage(backend), KEY_A, compress=True)
+    too_large = StoredResponse(status=200, headers=(("X-Card-Fp", CARD_HEADER),), body=None)
+    async with opened(section, metrics) as store:
+        await completed(store, "big", too_large)
+        assert await replayed(store, "big") == too_large
+        await completed(store, "card")
+    async with opened(with_codec(storage(backend), KEY_B), metrics) as store:
+        with pytest.raises(RecordUnreadable):
+            await store.claim("t", "card", FP, lease=30, ttl=600)
+    assert unreadable_count(metrics, backend) == 1
+    assert metrics.store_errors.labels(backend, "claim")._value.get() == 0, "the store answered; only the record failed"
