@@ -142,7 +142,9 @@ class Codec:
         head = headers_json(headers).encode()
         payload = _LENGTH.pack(len(head)) + head + body
         flags = 0
-        if self._compressor is not None and self.compression and len(payload) >= self.compression.min_size:
+        # Never compress what reading back would refuse (headers beyond the margin): such a value is kept raw.
+        compress = self.compression is not None and self.compression.min_size <= len(payload) <= self.max_payload
+        if self._compressor is not None and compress:
             payload = self._compressor.compress(payload)
             flags |= COMPRESSED
         if self._sealing is None:
