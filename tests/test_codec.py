@@ -17,6 +17,8 @@ import asyncpg
 import pytest
 import redis as sync_redis
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from idemproxy.config import CompressionConfig, EncryptionConfig, Secret, load_config
 from idemproxy.metrics import Metrics
@@ -409,3 +411,20 @@ async def test_a_response_too_large_to_store_keeps_its_status_and_headers_when_s
             await store.claim("t", "card", FP, lease=30, ttl=600)
     assert unreadable_count(metrics, backend) == 1
     assert metrics.store_errors.labels(backend, "claim")._value.get() == 0, "the store answered; only the record failed"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flags=st.integers(0, 3), rest=st.binary(max_size=300), tamper=st.booleans())
+def test_arbitrary_stored_bytes_either_open_or_are_refused_never_crash(flags: int, rest: bytes, tamper: bool) -> None:
+    """Whatever someone writes into the store, reading it is a replay or a 503, never a 500."""
+    c = codec(KEY_A, compress=True)
+    frame = MAGIC + bytes([flags]) + rest
+    if tamper:  # a valid compressed frame whose payload was edited
+        frame = MAGIC + bytes([COMPRESSED]) + zstandard.ZstdCompressor().compress(b"\x00\x00\x00\x05[[[[[" + rest)
+    try:
+        c.unpack("t", "k", frame, backend="postgres")
+    except RecordUnreadable:
+        pass
+    deep = MAGIC + bytes([0]) + (b"\x00\x01\x00\x00" + b"[" * 65536)
+    with pytest.raises(RecordUnreadable):
+        c.unpack("t", "k", deep, backend="postgres")

@@ -179,7 +179,7 @@ class Codec:
         head_end = _LENGTH.size + head_length
         try:
             headers = parse_headers(payload[_LENGTH.size:head_end])
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:
             raise Unreadable(f"headers not readable ({type(exc).__name__})") from None
         return headers, payload[head_end:]
 
