@@ -20,7 +20,7 @@ def build_store(config: StorageConfig, metrics: Metrics | None = None, *, max_bo
     ``max_body`` is the largest response body any route stores: reading a compressed value back stops there.
     """
     codec = Codec.from_config(config, max_body=max_body, metrics=metrics)
-    if codec.framing:
+    if config.compression is not None or config.encryption is not None:
         log.info("%s", codec.describe())
     if config.postgres is None:
         from idemproxy.store.embedded import EmbeddedStore

@@ -98,6 +98,8 @@ class Codec:
         self.compression = compression
         self.metrics = metrics
         self.max_payload = _LENGTH.size + HEADERS_MARGIN + max_body
+        # zstd contexts are not thread-safe: one codec serves one store, which packs on the event loop and
+        # unpacks either there (PostgreSQL, Redis) or on its single SQLite thread (embedded), never both.
         self._compressor = zstandard.ZstdCompressor(level=compression.level) if compression else None
         self._decompressor = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         self._keys: dict[bytes, AESGCM] = {}
