@@ -15,8 +15,8 @@ from aiohttp import web
 
 from idemproxy.config import Secret
 from idemproxy.engine import short_hash
-from idemproxy.problems import RecordNotFound, Unauthorized
-from idemproxy.store.base import Record, Store
+from idemproxy.problems import RecordNotFound, RecordUnreadable, Unauthorized
+from idemproxy.store.base import Record, State, Store
 
 log = logging.getLogger("idemproxy.admin")
 
@@ -74,12 +74,21 @@ class AdminAPI:
         """Release a stuck in-flight record or forget a completed one: the next request executes anew."""
         self._authorize(request)
         tenant, key = request.match_info["tenant"], request.match_info["key"]
-        record = await self.store.get(tenant, key)
-        if record is None or not await self.store.forget(tenant, key):
+        state = await self._state(tenant, key)
+        if state is None or not await self.store.forget(tenant, key):
             self._log("delete", tenant, key, found=False)
             raise RecordNotFound("No record for this tenant and key.")
-        self._log("delete", tenant, key, found=True, state=record.state.value)
-        return web.json_response({"deleted": True, "state": record.state.value})
+        self._log("delete", tenant, key, found=True, state=state)
+        return web.json_response({"deleted": True, "state": state})
+
+    async def _state(self, tenant: str, key: str) -> str | None:
+        try:
+            record = await self.store.get(tenant, key)
+        except RecordUnreadable:
+            # Its stored response does not open (a removed encryption key): the operator may still let the
+            # key execute anew. Only a completed record holds a response.
+            return State.COMPLETED.value
+        return record.state.value if record is not None else None
 
     def _log(self, action: str, tenant: str, key: str, **fields: Any) -> None:
         log.warning("admin %s tenant=%s key_hash=%s %s", action, tenant, short_hash(key), fields,

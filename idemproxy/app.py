@@ -49,7 +49,8 @@ class Proxy:
     def __init__(self, config: Config, *, store: Store | None = None, ready_after_start: bool = True) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.store = store if store is not None else build_store(config.storage, self.metrics)
+        self.store = store if store is not None else build_store(
+            config.storage, self.metrics, max_body=config.max_stored_response)
         self.upstreams = Upstreams(config)
         self.engine = Engine(config, self.store, self.upstreams, self.metrics)
         self.phase = Phase.STARTING

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import http.client
 import json
 import logging
 import os
+import secrets
 import sys
 import urllib.error
 import urllib.parse
@@ -17,7 +19,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from idemproxy import __version__
-from idemproxy.config import Config, ConfigError, dump_yaml, load_config_file
+from idemproxy.config import STORE_KEY_BYTES, Config, ConfigError, dump_yaml, load_config_file
 from idemproxy.logs import setup_logging
 from idemproxy.problems import StoreUnavailable
 
@@ -54,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("--token", help="admin token (default: admin.token, or $IDEMPROXY_ADMIN_TOKEN)")
     keys.add_argument("--credential", action="store_true",
                       help="TENANT is the raw tenant header value; hash it as the proxy does")
+
+    sub.add_parser("gen-key", help="print a new storage.encryption key (base64 of 32 random bytes)")
 
     demo = sub.add_parser("demo", help="a sample payments API behind idemproxy, on the embedded store")
     demo.add_argument("--port", type=int, default=8080, help="proxy port (default 8080)")
@@ -129,6 +133,16 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gen_key(_args: argparse.Namespace) -> int:
+    """The key on stdout (``export IDEMPROXY_STORE_KEY=$(idemproxy gen-key)``); its id, as logs name it, on stderr."""
+    from idemproxy.store.codec import key_id
+
+    key = secrets.token_bytes(STORE_KEY_BYTES)
+    print(base64.b64encode(key).decode())
+    print(f"key id {key_id(key).hex()} (what sealed records and logs name; not secret)", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from idemproxy.demo import run_api, run_demo
 
@@ -201,6 +215,7 @@ COMMANDS = {
     "check-config": cmd_check_config,
     "migrate": cmd_migrate,
     "demo": cmd_demo,
+    "gen-key": cmd_gen_key,
 }
 
 

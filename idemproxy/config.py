@@ -7,6 +7,8 @@ collected before failing so a user fixes a file in one pass. Secrets hide themse
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import ipaddress
 import os
@@ -195,12 +197,30 @@ class PendingSettlesConfig:
 
 
 @dataclass(frozen=True)
+class CompressionConfig:
+    """zstd over stored responses at least ``min_size`` bytes long (headers and body together)."""
+
+    min_size: int = 1024
+    level: int = 3
+
+
+@dataclass(frozen=True)
+class EncryptionConfig:
+    """AES-256-GCM over stored responses: ``key`` seals new values; every key opens the values it sealed."""
+
+    key: Secret = field(default_factory=lambda: Secret(""))  # base64 of 32 bytes; empty: seal nothing new
+    previous_keys: tuple[Secret, ...] = ()
+
+
+@dataclass(frozen=True)
 class StorageConfig:
     embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     redis: RedisConfig | None = None
     postgres: PostgresConfig | None = None
     on_store_error: Literal["fail_closed", "fail_open"] = "fail_closed"
     pending_settles: PendingSettlesConfig = field(default_factory=PendingSettlesConfig)
+    compression: CompressionConfig | None = None  # None: stored raw
+    encryption: EncryptionConfig | None = None  # None: stored in clear
 
     @property
     def backend(self) -> Literal["embedded", "postgres"]:
@@ -234,6 +254,11 @@ class Config:
     def upstream_for(self, route: RouteConfig | None) -> UpstreamConfig:
         """The upstream a route's requests go to (its own, else the top-level one)."""
         return route.upstream if route is not None and route.upstream is not None else self.upstream
+
+    @property
+    def max_stored_response(self) -> int:
+        """The largest body any route may store (what reading a stored value back may have to hold)."""
+        return max([self.idempotency.max_stored_response, *(r.idempotency.max_stored_response for r in self.routes)])
 
     def route_for(self, path: str) -> RouteConfig | None:
         """The first route whose prefix matches ``path`` (None: the defaults apply)."""
@@ -388,6 +413,31 @@ def _pg_dsn(value: Any) -> SecretURL:
     return SecretURL(text)
 
 
+STORE_KEY_BYTES = 32  # AES-256
+
+
+def _store_key(value: Any) -> Secret:
+    """A storage encryption key: base64 of 32 random bytes (``idemproxy gen-key``); never shown in errors."""
+    text = _secret_text(value).strip()
+    if not text:
+        raise _Invalid("is empty (generate a key with: idemproxy gen-key)")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise _Invalid("the value (a secret, not shown) is not valid base64 (generate one with: idemproxy gen-key)"
+                       ) from None
+    if len(raw) != STORE_KEY_BYTES:
+        raise _Invalid(f"decodes to {len(raw)} bytes, not {STORE_KEY_BYTES} (generate one with: idemproxy gen-key)")
+    return Secret(text)
+
+
+def _store_keys(value: Any) -> tuple[Any, ...]:
+    """``previous_keys``: a list here; each item is checked by :func:`_encryption`, with its index in the path."""
+    if not isinstance(value, list):
+        raise _Invalid("is not a list of keys")
+    return tuple(value)
+
+
 def _network(value: Any) -> IPNetwork:
     text = _str(value)
     try:
@@ -466,6 +516,8 @@ _SPECS: dict[type[Any], _Spec] = {
     IdempotencyConfig: _IDEMPOTENCY_SPEC,
     EmbeddedConfig: {"path": _str},
     PendingSettlesConfig: {"max_count": _int(1, 10_000_000), "max_bytes": parse_size},
+    CompressionConfig: {"min_size": parse_size, "level": _int(1, 19)},
+    EncryptionConfig: {"key": _store_key, "previous_keys": _store_keys},
     RedisConfig: {"url": _redis_url, "key_prefix": _str, "replay_cache_ttl": parse_duration},
     PostgresConfig: {
         "dsn": _pg_dsn,
@@ -586,7 +638,7 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
     if not isinstance(raw, dict):
         loader.error("storage", f"{_short(raw)} is not a mapping")
         return StorageConfig()
-    known = ("embedded", "redis", "postgres", "on_store_error", "pending_settles")
+    known = ("embedded", "redis", "postgres", "on_store_error", "pending_settles", "compression", "encryption")
     for key in raw:
         if key not in known:
             loader.error(f"storage.{key}", f"unknown key (known: {', '.join(known)})")
@@ -608,7 +660,34 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
         postgres=postgres,
         on_store_error=cast(Literal["fail_closed", "fail_open"], on_error),
         pending_settles=loader.section(PendingSettlesConfig, "storage.pending_settles", raw.get("pending_settles")),
+        compression=_optional(loader, CompressionConfig, "storage.compression", raw),
+        encryption=_encryption(loader, raw),
     )
+
+
+def _optional(loader: _Loader, cls: type[T], path: str, raw: dict[str, Any]) -> T | None:
+    """A section that is off unless present (``compression: {}`` turns it on with its defaults)."""
+    name = path.rpartition(".")[2]
+    return loader.section(cls, path, raw[name] or {}) if name in raw else None
+
+
+def _encryption(loader: _Loader, raw: dict[str, Any]) -> EncryptionConfig | None:
+    config = _optional(loader, EncryptionConfig, "storage.encryption", raw)
+    if config is None:
+        return None
+    # Without a key but with previous_keys, new values are stored in clear and old sealed ones still open:
+    # the way to turn encryption off without losing the records it sealed.
+    given = raw["encryption"] or {}
+    if isinstance(given, dict) and "key" not in given and not config.previous_keys:
+        loader.error("storage.encryption.key", "is required when storage.encryption is set "
+                     "(e.g. key: ${IDEMPROXY_STORE_KEY}; generate one with: idemproxy gen-key)")
+    previous = []
+    for index, item in enumerate(config.previous_keys):
+        try:
+            previous.append(_store_key(item))
+        except _Invalid as exc:
+            loader.error(f"storage.encryption.previous_keys[{index}]", str(exc))
+    return replace(config, previous_keys=tuple(previous))
 
 
 def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[Any], T], default: T) -> T:

@@ -42,6 +42,7 @@ from idemproxy.problems import (
     MissingTenant,
     PayloadMismatch,
     Problem,
+    RecordUnreadable,
     ResponseNotReplayable,
     StoreUnavailable,
     UpstreamReset,
@@ -242,8 +243,9 @@ class Engine:
         )
         try:
             claim = await self._claim(tenant, key, fp, idem)
-        except StoreUnavailable:
-            if self.config.storage.on_store_error == "fail_closed":
+        except StoreUnavailable as exc:
+            # An unreadable record stands for a request already executed: never forward it again, even fail_open.
+            if self.config.storage.on_store_error == "fail_closed" or isinstance(exc, RecordUnreadable):
                 raise
             return await self._unguarded(request, body, idem, ex)
         return await self._decide(request, claim, fp, body, idem, ex)

@@ -78,6 +78,10 @@ class Metrics:
             "idemproxy_store_up", "1 while the store answers, 0 while it does not (by backend)",
             ["backend"], registry=r, multiprocess_mode="livemin",
         )
+        self.records_unreadable = Counter(
+            "idemproxy_records_unreadable", "Stored responses that did not open (unknown key, tampered, moved)",
+            ["backend"], registry=r,
+        )
         self.records_expired = Counter(
             "idemproxy_records_expired", "Records removed or replaced after their TTL", registry=r,
         )

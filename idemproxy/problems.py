@@ -15,6 +15,7 @@
     ├── UpstreamReset              502 upstream_reset
     ├── ResponseNotReplayable      502 response_not_replayable (+ original_status)
     ├── StoreUnavailable           503 store_unavailable  + Retry-After (+ forwarded: true after the forward)
+    │   └── RecordUnreadable       503 store_unavailable  (a stored response that does not open: never forwarded)
     └── UpstreamTimeout            504 upstream_timeout
 
 Stores raise ``StoreUnavailable`` (translated from driver errors at their boundary); the engine and the
@@ -154,6 +155,14 @@ class StoreUnavailable(Problem):
         self.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
         # False when the operation certainly never reached the store (no connection): nothing to undo.
         self.maybe_applied = maybe_applied
+
+
+class RecordUnreadable(StoreUnavailable):
+    """The store answered, but the stored response does not open (unknown key id, tampered or moved bytes).
+
+    Unlike other store failures it is never a reason to forward unguarded (``on_store_error: fail_open``):
+    the request was executed once already, and its record stands.
+    """
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

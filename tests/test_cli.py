@@ -149,3 +149,19 @@ async def test_keys_errors_are_one_line_and_exit_non_zero(
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("idemproxy: "), result.stderr
         assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_gen_key_prints_a_key_the_config_accepts() -> None:
+    import base64
+
+    from idemproxy.config import load_config
+    from idemproxy.store.codec import key_id
+
+    result = run_cli("gen-key")
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip()
+    assert len(base64.b64decode(key, validate=True)) == 32
+    assert key_id(base64.b64decode(key)).hex() in result.stderr and key not in result.stderr
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": {"encryption": {"key": key}}}, env={})
+    assert config.storage.encryption is not None
+    assert run_cli("gen-key").stdout.strip() != key

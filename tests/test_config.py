@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -307,3 +308,54 @@ def test_typed_fields_still_read_their_type_from_environment_text() -> None:
     assert config.listen.port == 8080 and config.upstream.forward_key is False and config.upstream.timeout == 1.5
     idem = config.idempotency
     assert idem.release_statuses == (429,) and idem.required is True and idem.max_request_body == 2048
+
+
+STORE_KEY = "q83vEjRWeJq8/+7dzLuqmHZUMhBQzOEPzwpQJRfNq4A="  # base64 of 32 bytes
+
+
+def test_compression_and_encryption_are_off_unless_configured() -> None:
+    config = load_config({"upstream": UP}, env={})
+    assert config.storage.compression is None and config.storage.encryption is None
+    on = load_config({"upstream": UP, "storage": {"compression": {}, "encryption": {"key": STORE_KEY}}}, env={})
+    assert on.storage.compression is not None and on.storage.compression.min_size == 1024
+    assert on.storage.encryption is not None and on.storage.encryption.previous_keys == ()
+
+
+@pytest.mark.parametrize(
+    ("encryption", "env", "expected"),
+    [
+        ({}, {}, "storage.encryption.key: is required"),
+        ({"key": "${IDEMPROXY_STORE_KEY}"}, {}, "storage.encryption.key: environment variable IDEMPROXY_STORE_KEY"),
+        ({"key": "${IDEMPROXY_STORE_KEY}"}, {"IDEMPROXY_STORE_KEY": "not base64!"},
+         "storage.encryption.key: the value (a secret, not shown) is not valid base64"),
+        ({"key": "${K}"}, {"K": "c2hvcnQ="}, "storage.encryption.key: decodes to 5 bytes, not 32"),
+        ({"key": STORE_KEY, "previous_keys": [STORE_KEY, "c2hvcnQ="]}, {},
+         "storage.encryption.previous_keys[1]: decodes to 5 bytes, not 32"),
+        ({"key": STORE_KEY, "previous_keys": STORE_KEY}, {}, "storage.encryption.previous_keys: is not a list"),
+        ({"key": STORE_KEY, "rotate": True}, {}, "storage.encryption.rotate: unknown key"),
+    ],
+)
+def test_encryption_key_errors_name_the_key_path_never_the_key(
+    encryption: dict[str, Any], env: dict[str, str], expected: str
+) -> None:
+    errors = errors_of({"upstream": UP, "storage": {"encryption": encryption}}, env=env)
+    assert any(expected in error for error in errors), errors
+    assert not any("not base64!" in error or "c2hvcnQ" in error for error in errors)
+
+
+def test_compression_errors_name_the_key_path() -> None:
+    errors = errors_of({"upstream": UP, "storage": {"compression": {"min_size": "big", "level": 40}}})
+    assert any("storage.compression.min_size: 'big' is not a size" in e for e in errors), errors
+    assert any("storage.compression.level: 40 is out of range" in e for e in errors), errors
+
+
+def test_store_keys_are_masked_in_check_config(tmp_path: Path) -> None:
+    previous = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8="
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"upstream": UP, "storage": {
+        "encryption": {"key": "${IDEMPROXY_STORE_KEY}", "previous_keys": [previous]}}}))
+    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "IDEMPROXY_STORE_KEY": STORE_KEY})
+    assert result.returncode == 0, result.stderr
+    assert STORE_KEY not in result.stdout and previous not in result.stdout
+    assert yaml.safe_load(result.stdout)["storage"]["encryption"] == {"key": "***", "previous_keys": ["***"]}

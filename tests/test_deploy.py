@@ -33,6 +33,7 @@ def exported_series() -> set[str]:
     metrics.upstream_duration.observe(0.01)
     metrics.store_duration.labels("redis", "claim").observe(0.001)
     metrics.store_errors.labels("redis", "claim").inc()
+    metrics.records_unreadable.labels("postgres").inc()
     text = metrics.render().decode()
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
@@ -54,8 +55,9 @@ def test_alerts_cover_the_operational_promises() -> None:
     assert set(by_name) == {
         "IdempotencyConflictRateHigh", "IdempotencyInFlightRateHigh", "IdempotencyOverheadHigh",
         "IdempotencyStoreErrors", "IdempotencyLeaseTakeovers", "IdempotencyAnswersNotStored",
-        "IdempotencySettlesDropped",
+        "IdempotencySettlesDropped", "IdempotencyRecordsUnreadable",
     }
+    assert "idemproxy_records_unreadable_total" in by_name["IdempotencyRecordsUnreadable"]["expr"]
     assert "idemproxy_pending_settles" in by_name["IdempotencyAnswersNotStored"]["expr"]
     assert "idemproxy_settles_dropped_total" in by_name["IdempotencySettlesDropped"]["expr"]
     assert "> 0.01" in by_name["IdempotencyConflictRateHigh"]["expr"]

@@ -26,7 +26,7 @@ from enum import StrEnum
 from typing import ClassVar
 
 from idemproxy.metrics import Metrics
-from idemproxy.problems import StoreUnavailable
+from idemproxy.problems import RecordUnreadable, StoreUnavailable
 
 
 class State(StrEnum):
@@ -227,8 +227,9 @@ class Store(ABC):
         started = time.perf_counter()
         try:
             yield
-        except StoreUnavailable:
-            if self.metrics is not None:
+        except StoreUnavailable as exc:
+            # A record that does not open is counted as such (codec.py), not as a store that failed to answer.
+            if self.metrics is not None and not isinstance(exc, RecordUnreadable):
                 self.metrics.store_errors.labels(name, operation).inc()
             raise
         finally:

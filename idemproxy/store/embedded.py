@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import json
 import logging
 import os
 import sqlite3
@@ -23,6 +22,7 @@ from idemproxy.config import EmbeddedConfig
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreUnavailable
 from idemproxy.store.base import Claim, Health, Record, State, Store, StoredResponse, new_token
+from idemproxy.store.codec import Codec
 
 log = logging.getLogger("idemproxy.store.embedded")
 T = TypeVar("T")
@@ -46,14 +46,13 @@ class StoreLocked(Exception):
     """Another process holds the embedded store file."""
 
 
-def _record(row: sqlite3.Row) -> Record:
+def _record(row: sqlite3.Row, codec: Codec | None) -> Record:
+    """The record of ``row``; with ``codec`` None, without its response (what a claim decides on)."""
     response = None
-    if row["status"] is not None:
-        headers = tuple((str(k), str(v)) for k, v in json.loads(row["headers"] or "[]"))
-        response = StoredResponse(
-            status=row["status"], headers=headers,
-            body=bytes(row["body"]) if row["body_stored"] else None,
-        )
+    if row["status"] is not None and codec is not None:
+        headers, body = codec.from_columns(row["tenant"], row["key"], row["headers"], row["body"],
+                                           backend=EmbeddedStore.backend)
+        response = StoredResponse(status=row["status"], headers=headers, body=body if row["body_stored"] else None)
     return Record(
         tenant=row["tenant"], key=row["key"], fingerprint=row["fingerprint"],
         state=State(row["state"]), lease_token=row["lease_token"],
@@ -65,9 +64,10 @@ def _record(row: sqlite3.Row) -> Record:
 class EmbeddedStore(Store):
     backend = "embedded"
 
-    def __init__(self, config: EmbeddedConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: EmbeddedConfig, metrics: Metrics | None = None, *, codec: Codec | None = None) -> None:
         super().__init__(metrics)
         self.path = config.path
+        self.codec = codec or Codec()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idemproxy-sqlite")
         self._db: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
@@ -167,7 +167,8 @@ class EmbeddedStore(Store):
             now = self._now()
             row = db.execute(f"SELECT {_COLUMNS} FROM records WHERE tenant=? AND key=?",
                              (tenant, key)).fetchone()
-            current = _record(row) if row is not None else None
+            # Decided on without the response: an expired record is replaced even when it no longer opens.
+            current = _record(row, None) if row is not None else None
             took_over = replaced = False
             if current is not None:
                 if current.expired(now):
@@ -176,7 +177,7 @@ class EmbeddedStore(Store):
                       and current.fingerprint == fingerprint):
                     took_over = True
                 else:
-                    return Claim(record=current, owned=False, now=now)
+                    return Claim(record=_record(row, self.codec), owned=False, now=now)
             record = Record(
                 tenant=tenant, key=key, fingerprint=fingerprint, state=State.IN_FLIGHT,
                 lease_token=token, lease_expires_at=now + lease, response=None, created_at=now,
@@ -195,7 +196,7 @@ class EmbeddedStore(Store):
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         record = claim.record
-        headers = json.dumps([list(pair) for pair in response.headers])
+        headers, body = self.codec.to_columns(record.tenant, record.key, response.headers, response.body)
 
         def complete(db: sqlite3.Connection) -> bool:
             now = self._now()
@@ -203,7 +204,7 @@ class EmbeddedStore(Store):
                 "UPDATE records SET state='completed', status=?, headers=?, body=?, body_stored=?, "
                 "completed_at=?, expires_at=?, lease_token=NULL, lease_expires_at=NULL "
                 "WHERE tenant=? AND key=? AND lease_token=? AND state='in_flight'",
-                (response.status, headers, response.body or b"", response.body is not None, now,
+                (response.status, headers, body, response.body is not None, now,
                  now + ttl, record.tenant, record.key, claim.token),
             )
             return cursor.rowcount == 1
@@ -235,7 +236,7 @@ class EmbeddedStore(Store):
             assert self._db is not None
             row = self._db.execute(f"SELECT {_COLUMNS} FROM records WHERE tenant=? AND key=?",
                                    (tenant, key)).fetchone()
-            return _record(row) if row is not None else None
+            return _record(row, self.codec) if row is not None else None
 
         return await self._run("get", get)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
@@ -16,6 +15,7 @@ from idemproxy.config import PostgresConfig
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreRejected, StoreUnavailable
 from idemproxy.store.base import Claim, Health, Record, State, Store, StoredResponse, new_token
+from idemproxy.store.codec import Codec
 
 log = logging.getLogger("idemproxy.store.postgres")
 
@@ -127,12 +127,12 @@ def _epoch(value: datetime | None) -> float | None:
     return value.timestamp() if value is not None else None
 
 
-def _record(row: Any) -> Record:
+def _record(row: Any, codec: Codec) -> Record:
     response = None
     if row["status"] is not None:
-        headers = tuple((str(k), str(v)) for k, v in json.loads(row["headers"] or "[]"))
-        body = bytes(row["body"]) if row["body_stored"] else None
-        response = StoredResponse(status=row["status"], headers=headers, body=body)
+        headers, body = codec.from_columns(row["tenant"], row["key"], row["headers"], row["body"],
+                                           backend=PostgresStore.backend)
+        response = StoredResponse(status=row["status"], headers=headers, body=body if row["body_stored"] else None)
     return Record(
         tenant=row["tenant"],
         key=row["key"],
@@ -204,10 +204,12 @@ class PostgresStore(Store):
     backend = "postgres"
 
     def __init__(
-        self, config: PostgresConfig, metrics: Metrics | None = None, *, listen: bool = False
+        self, config: PostgresConfig, metrics: Metrics | None = None, *, listen: bool = False,
+        codec: Codec | None = None,
     ) -> None:
         super().__init__(metrics)
         self.config = config
+        self.codec = codec or Codec()
         self.listen = listen  # LISTEN/NOTIFY wakes `wait` mode when no Redis carries notifications
         self._pool: Any = None
         self._listener: Any = None
@@ -333,7 +335,7 @@ class PostgresStore(Store):
                 raise StoreUnavailable("The idempotency store could not settle a claim.")
         owned = bool(row["owned"])
         return Claim(
-            record=_record(row),
+            record=_record(row, self.codec),
             owned=owned,
             now=row["db_now"].timestamp(),
             took_over=owned and row["claim_kind"] == "takeover",
@@ -342,10 +344,10 @@ class PostgresStore(Store):
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         tenant, key, token = claim.record.tenant, claim.record.key, claim.token
-        headers = json.dumps([list(pair) for pair in response.headers])
+        headers, body = self.codec.to_columns(tenant, key, response.headers, response.body)
         return await self._change(
             "complete", _COMPLETE, tenant, key, token, response.status, headers,
-            response.body or b"", response.body is not None, ttl,
+            body, response.body is not None, ttl,
         )
 
     async def release(self, claim: Claim) -> bool:
@@ -354,7 +356,7 @@ class PostgresStore(Store):
     async def get(self, tenant: str, key: str) -> Record | None:
         async with self._conn("get") as conn:
             row = await conn.fetchrow(_GET, tenant, key)
-        return _record(row) if row is not None else None
+        return _record(row, self.codec) if row is not None else None
 
     async def forget(self, tenant: str, key: str) -> bool:
         return await self._change("forget", _FORGET, tenant, key)

@@ -37,6 +37,7 @@ from idemproxy.store.base import (
     StoredResponse,
     new_token,
 )
+from idemproxy.store.codec import PLAIN, Codec
 
 log = logging.getLogger("idemproxy.store.redis")
 
@@ -102,29 +103,35 @@ class _Fast:
     epoch: str = UNKNOWN_EPOCH
 
 
-def _encode(record: Record) -> bytes:
-    """A completed record as ``<json header>\\n<body bytes>`` (no base64 on the hot path)."""
+def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
+    """A completed record as ``<json header>\n<body bytes>`` (no base64 on the hot path); with compression or
+    encryption on, the header leaves out the headers (``h``) and the body part is the codec's frame of both."""
     assert record.response is not None
+    response = record.response
     head = {
         "f": record.fingerprint,
-        "s": record.response.status,
-        "h": record.response.headers,
-        "b": record.response.body is not None,
+        "s": response.status,
+        "b": response.body is not None,
         "c": record.created_at,
         "d": record.completed_at,
         "e": record.expires_at,
     }
-    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + (record.response.body or b"")
+    if not codec.framing:
+        head["h"] = response.headers
+        tail = response.body or b""
+    else:
+        tail = codec.pack(record.tenant, record.key, response.headers, response.body or b"")
+    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + tail
 
 
-def _decode(tenant: str, key: str, payload: bytes) -> Record:
+def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Record:
     raw_head, _, body = payload.partition(b"\n")
     head = json.loads(raw_head)
-    response = StoredResponse(
-        status=head["s"],
-        headers=tuple((str(k), str(v)) for k, v in head["h"]),
-        body=body if head["b"] else None,
-    )
+    if "h" in head:  # written in clear (by this version with both off, or before them)
+        headers = tuple((str(k), str(v)) for k, v in head["h"])
+    else:
+        headers, body = codec.unpack(tenant, key, body, backend=RedisFrontedStore.backend)
+    response = StoredResponse(status=head["s"], headers=headers, body=body if head["b"] else None)
     return Record(
         tenant=tenant, key=key, fingerprint=head["f"], state=State.COMPLETED, lease_token=None,
         lease_expires_at=None, response=response, created_at=head["c"], completed_at=head["d"],
@@ -137,9 +144,12 @@ class RedisFrontedStore(Store):
 
     backend = "redis"
 
-    def __init__(self, durable: Store, config: RedisConfig, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self, durable: Store, config: RedisConfig, metrics: Metrics | None = None, *, codec: Codec | None = None
+    ) -> None:
         super().__init__(metrics)
         self.durable = durable
+        self.codec = codec or Codec()
         self.watchers = durable.watchers  # one set of waiters, woken by either notification path
         self.config = config
         self.channel = f"{config.key_prefix}changed"
@@ -247,7 +257,7 @@ class RedisFrontedStore(Store):
                 )
                 kind = reply[0].decode()
                 if kind == "completed":  # written only after the durable store completed: authoritative
-                    return _Fast(kind, _decode(tenant, key, reply[1]))
+                    return _Fast(kind, _decode(tenant, key, reply[1], self.codec))
                 if kind == "acquired":
                     return _Fast(kind, epoch=reply[1].decode())
                 _, lock_fp = reply[1].decode().split(" ", 1)
@@ -298,8 +308,8 @@ class RedisFrontedStore(Store):
         our read may already be stale, and a stale hand-over would answer 409 after the owner settled.)"""
         record = claim.record
         if record.state is State.COMPLETED:
-            await self._settle(tenant, key, token, payload=_encode(record), ttl=record.expires_at - claim.now,
-                               epoch=epoch, publish=False)
+            await self._settle(tenant, key, token, payload=_encode(record, self.codec),
+                               ttl=record.expires_at - claim.now, epoch=epoch, publish=False)
         elif locked:
             await self._settle(tenant, key, token, publish=False)
 
@@ -326,7 +336,7 @@ class RedisFrontedStore(Store):
             payload = _encode(replace(
                 claim.record, state=State.COMPLETED, lease_token=None, lease_expires_at=None,
                 response=response, completed_at=now, expires_at=now + ttl,
-            ))
+            ), self.codec)
         await self._settle(claim.record.tenant, claim.record.key, claim.token, payload=payload, ttl=ttl,
                            epoch=UNKNOWN_EPOCH if claim.cache_epoch is None else claim.cache_epoch)
         return done
