@@ -61,6 +61,10 @@ function request()
   elseif mode == "replay" then headers["Idempotency-Key"] = "warm-" .. (counter % 100) end
   return wrk.format("POST", nil, headers, '@BODY@')
 end
+local shown = os.getenv("IDEMPROXY_BENCH_SHOW") == nil
+function response(status, headers, body)
+  if status >= 300 and not shown then shown = true; io.stderr:write(status .. " " .. body .. "\\n") end
+end
 """.replace("@BODY@", BODY)
 
 
@@ -108,11 +112,14 @@ class Target:
 
 def run_wrk(target: Target, seconds: float, script: Path, store_pids: list[int]) -> dict[str, float]:
     before, store_before = cpu_seconds(target.pids()), cpu_seconds(store_pids)
-    out = subprocess.run(
+    result = subprocess.run(
         ["wrk", "-t2", "-c50", f"-d{seconds:g}s", "--latency", "-s", str(script), target.url, "--",
          target.mode, uuid.uuid4().hex[:8]],
         capture_output=True, text=True, check=True,
-    ).stdout
+    )
+    if result.stderr:
+        print(f"{target.name}: first non-2xx answer: {result.stderr.strip()[:300]}")
+    out = result.stdout
     cpu, store_cpu = cpu_seconds(target.pids()) - before, cpu_seconds(store_pids) - store_before
     requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -135,6 +142,7 @@ async def open_loop(url: str, mode: str, rate: float, seconds: float) -> tuple[f
     """Requests at a fixed rate (not back to back): p50/p99 latency in ms at that load. Replays use the keys
     ``warm-0`` .. ``warm-99`` (sent once first), as the wrk script does."""
     latencies: list[float] = []
+    statuses: dict[int, int] = {}
     prefix = "warm" if mode == "replay" else uuid.uuid4().hex[:8]
     async with aiohttp.ClientSession() as session:
         async def one(i: int) -> None:
@@ -144,11 +152,14 @@ async def open_loop(url: str, mode: str, rate: float, seconds: float) -> tuple[f
             started = time.perf_counter()
             async with session.post(url, data=BODY, headers=headers) as resp:
                 await resp.read()
+                statuses[resp.status] = statuses.get(resp.status, 0) + 1
             latencies.append(time.perf_counter() - started)
 
         if mode == "replay":
             await asyncio.gather(*(one(i) for i in range(100)))
             latencies.clear()
+            if set(statuses) != {201}:
+                print(f"warning: replay warm-up statuses {statuses}")
         tasks, start = [], time.perf_counter()
         for i in range(int(rate * seconds)):
             await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
@@ -301,6 +312,11 @@ async def main() -> None:
                     Target("embedded", proxies["embedded"].url + "/v1/charges", "first", pid_of("embedded")),
                 ]
                 await open_loop(replay.url, "replay", 100, 0.5)  # the 100 replay keys exist
+                async with aiohttp.ClientSession() as session, session.post(
+                        replay.url, data=BODY, headers={"Content-Type": "application/json",
+                                                        "Idempotency-Key": "warm-7"}) as resp:
+                    if resp.headers.get("Idempotent-Replayed") != "true":
+                        print(f"warning: replay warm-up answered {resp.status}: {await resp.text()}")
                 if args.profile:
                     target = next(t for t in targets if t.name == args.profile)
                     await asyncio.to_thread(profile, target, args.seconds, script, workdir)
@@ -321,6 +337,8 @@ async def main() -> None:
                 for target in (t for t in targets if t.name in ("reference", "first", "replay", "embedded")):
                     p50, p99 = await open_loop(target.url, target.mode, 200, args.rate_seconds)
                     print(f"  {target.name:10} p50 +{p50 - direct[0]:.2f} ms   p99 +{p99 - direct[1]:.2f} ms")
+                if os.environ.get("IDEMPROXY_BENCH_SHOW"):
+                    print(proxies["redis"].log()[-3000:])
                 for name, proxy in proxies.items():
                     print(f"peak RSS, idemproxy on {name}: {proxy.peak_rss_bytes() / 2**20:.1f} MiB")
         finally:

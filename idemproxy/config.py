@@ -221,6 +221,7 @@ class StorageConfig:
     pending_settles: PendingSettlesConfig = field(default_factory=PendingSettlesConfig)
     compression: CompressionConfig | None = None  # None: stored raw
     encryption: EncryptionConfig | None = None  # None: stored in clear
+    replay_memory: int = 16 * 1024 * 1024  # bytes of completed records kept in-process for replays; 0: none
 
     @property
     def backend(self) -> Literal["embedded", "postgres"]:
@@ -638,7 +639,8 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
     if not isinstance(raw, dict):
         loader.error("storage", f"{_short(raw)} is not a mapping")
         return StorageConfig()
-    known = ("embedded", "redis", "postgres", "on_store_error", "pending_settles", "compression", "encryption")
+    known = ("embedded", "redis", "postgres", "on_store_error", "pending_settles", "compression", "encryption",
+             "replay_memory")
     for key in raw:
         if key not in known:
             loader.error(f"storage.{key}", f"unknown key (known: {', '.join(known)})")
@@ -662,6 +664,7 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
         pending_settles=loader.section(PendingSettlesConfig, "storage.pending_settles", raw.get("pending_settles")),
         compression=_optional(loader, CompressionConfig, "storage.compression", raw),
         encryption=_encryption(loader, raw),
+        replay_memory=_top_value(loader, raw, "replay_memory", parse_size, 16 * 1024 * 1024, "storage."),
     )
 
 
@@ -690,13 +693,14 @@ def _encryption(loader: _Loader, raw: dict[str, Any]) -> EncryptionConfig | None
     return replace(config, previous_keys=tuple(previous))
 
 
-def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[Any], T], default: T) -> T:
+def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[Any], T], default: T,
+               path: str = "") -> T:
     if key not in raw:
         return default
     try:
         return parse(raw[key])
     except _Invalid as exc:
-        loader.error(key, str(exc))
+        loader.error(path + key, str(exc))
         return default
 
 

@@ -87,7 +87,8 @@ async def test_ready_requires_store_takes_the_replica_out_while_postgres_is_down
 async def test_redis_down_mid_run_costs_latency_never_correctness(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str
 ) -> None:
-    proxy = await make_proxy(storage_section=redis_section(running_redis, clean_pg))
+    # the in-process replay cache off: this test watches the Redis fast path itself come back
+    proxy = await make_proxy(storage_section={**redis_section(running_redis, clean_pg), "replay_memory": 0})
     first, first_body = await proxy.post("/v1/charges", key="before", body=CHARGE)
     assert first.status == 201
 

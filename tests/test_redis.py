@@ -16,7 +16,8 @@ from idemproxy.store.base import State, StoredResponse
 from idemproxy.store.redis import BREAKER_COOLDOWN, RedisFrontedStore, _encode
 from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
-from tests.test_faults import durable
+from tests.servers import RedisServer
+from tests.test_faults import durable, redis_round_trips
 from tests.upstream import RecordingUpstream
 
 CHARGE = {"amount": 1000, "currency": "eur"}
@@ -195,3 +196,81 @@ async def test_an_undecodable_cache_entry_falls_back_to_postgres_not_500(
     again, again_body = await proxy.post("/v1/charges", key="garbled", body=CHARGE)
     assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true" and again_body == first_body
     assert upstream.count(key="garbled") == 1
+
+
+# ------------------------------------------------------------------------- the in-process replay cache
+
+
+async def test_a_hot_replay_needs_no_network(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, running_redis: RedisServer
+) -> None:
+    proxy = await make_proxy(storage_section=section(clean_pg, running_redis.url, "hot:"))
+    await until_live(proxy)
+    _, body = await proxy.post("/v1/charges", key="hot", body=CHARGE)
+    # The first replay reads Redis and keeps a copy; the completion's own notification may still arrive and
+    # evict it once, so a replay is needed or two before one costs nothing.
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3
+    while True:
+        redis_before, pg_before = redis_round_trips(running_redis), durable(proxy).statements
+        again, again_body = await proxy.post("/v1/charges", key="hot", body=CHARGE)
+        assert again.headers["Idempotent-Replayed"] == "true" and again_body == body
+        if (redis_round_trips(running_redis) - redis_before, durable(proxy).statements - pg_before) == (0, 0):
+            break
+        assert loop.time() < deadline, "replays kept going to the stores"
+    wrong, _ = await proxy.post("/v1/charges", key="hot", body={"amount": 1})
+    assert wrong.status == 422  # the copy is the durable record: its fingerprint decides
+    assert upstream.count(key="hot") == 1
+
+
+async def test_a_release_on_another_replica_evicts_the_copy(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    reader = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    releaser = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    await until_live(reader)
+    await reader.post("/v1/charges", key="shared", body=CHARGE)
+    await reader.post("/v1/charges", key="shared", body=CHARGE)  # now kept by the reader
+    assert reader.proxy.engine.replays.get(reader.proxy.engine.resolve_tenant_value("Bearer t1"), "shared")
+    tenant = releaser.proxy.engine.resolve_tenant_value("Bearer t1")
+    assert await releaser.proxy.store.forget(tenant, "shared")  # the release is announced on Redis
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3
+    while reader.proxy.engine.replays.get(tenant, "shared") is not None:
+        assert loop.time() < deadline, "the announcement of the release never evicted the copy"
+        await asyncio.sleep(0.01)
+    fresh, _ = await reader.post("/v1/charges", key="shared", body=CHARGE)
+    assert fresh.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="shared") == 2
+
+
+async def test_without_live_notifications_the_copy_is_not_used(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    redis_relay: Relay,
+) -> None:
+    """A reader whose link to Redis silently stalls cannot hear a release: it must stop answering from its copy."""
+    relayed = redis_url.replace(f":{urlsplit(redis_url).port}/", f":{redis_relay.port}/")
+    reader = await make_proxy(storage_section=section(clean_pg, relayed, redis_prefix))
+    releaser = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    await until_live(reader)
+    await reader.post("/v1/charges", key="deaf", body=CHARGE)
+    await reader.post("/v1/charges", key="deaf", body=CHARGE)
+    redis_relay.stall()  # no error, no messages: only the missing pongs tell
+    tenant = reader.proxy.engine.resolve_tenant_value("Bearer t1")
+    assert await releaser.proxy.store.forget(tenant, "deaf")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while reader.proxy.store.notifications_live():
+        assert loop.time() < deadline, "a stalled subscriber still counted as live"
+        await asyncio.sleep(0.05)
+    fresh, _ = await reader.post("/v1/charges", key="deaf", body=CHARGE)
+    assert fresh.headers["Idempotent-Replayed"] == "false"
+    redis_relay.restore()
+
+
+async def until_live(proxy: RunningProxy) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while not proxy.proxy.store.notifications_live():
+        assert loop.time() < deadline, "the Redis subscriber never came up"
+        await asyncio.sleep(0.02)

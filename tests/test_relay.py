@@ -94,7 +94,7 @@ async def test_cut_severs_established_connections_and_refuses_new_ones_until_res
             relay.cut()
             assert await read_until_closed(reader) == b""  # the established connection is gone
             await wait_for(lambda: echo.ended == 1)  # ... on the target's side too
-            assert relay.open_connections() == 0
+            await wait_for(lambda: relay.open_connections() == 0)  # and the relay let go of both ends
 
         async with connected(relay.port) as (reader, writer):  # accepted, then closed at once
             assert await read_until_closed(reader) == b""

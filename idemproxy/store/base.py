@@ -20,7 +20,7 @@ import contextlib
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
@@ -104,6 +104,8 @@ class Watchers:
 
     def __init__(self) -> None:
         self._waiting: dict[tuple[str, str], set[asyncio.Future[None]]] = {}
+        # Called on every change: (tenant, key), or (None, None) when anything may have changed.
+        self.listeners: list[Callable[[str | None, str | None], None]] = []
 
     @contextlib.contextmanager
     def watch(self, tenant: str, key: str) -> Iterator[asyncio.Future[None]]:
@@ -128,12 +130,16 @@ class Watchers:
         self.notify(tenant, key)
 
     def notify(self, tenant: str, key: str) -> None:
+        for listener in self.listeners:
+            listener(tenant, key)
         for future in self._waiting.get((tenant, key), ()):
             if not future.done():
                 future.set_result(None)
 
     def notify_all(self) -> None:
         """Wake every waiter (notifications may have been missed, e.g. while LISTEN was reconnecting)."""
+        for listener in self.listeners:
+            listener(None, None)
         for waiting in self._waiting.values():
             for future in waiting:
                 if not future.done():
@@ -210,6 +216,11 @@ class Store(ABC):
     async def clock(self) -> float:
         """The store's clock (epoch seconds), against which leases and expiry are judged."""
         return time.time()
+
+    def notifications_live(self) -> bool:
+        """Whether every change (a release above all) reaches ``watchers`` now: only then may a process keep
+        copies of records (``idemproxy.replays``)."""
+        return False
 
     @contextlib.contextmanager
     def watch(self, tenant: str, key: str) -> Iterator[asyncio.Future[None]]:

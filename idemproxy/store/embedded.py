@@ -83,6 +83,9 @@ class EmbeddedStore(Store):
     async def clock(self) -> float:
         return self._now()
 
+    def notifications_live(self) -> bool:
+        return True  # one process: every change notifies in-process
+
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:

@@ -359,7 +359,13 @@ class PostgresStore(Store):
         return _record(row, self.codec) if row is not None else None
 
     async def forget(self, tenant: str, key: str) -> bool:
-        return await self._change("forget", _FORGET, tenant, key)
+        done = await self._change("forget", _FORGET, tenant, key)
+        self.watchers.notify(tenant, key)  # this process at once; others by NOTIFY or Redis
+        return done
+
+    def notifications_live(self) -> bool:
+        """With LISTEN (PostgreSQL alone), live while its connection stands."""
+        return self._listener is not None and not self._listener.is_closed()
 
     async def sweep(self, limit: int) -> int:
         """One batch, by one replica at a time (a transaction-scoped advisory lock)."""

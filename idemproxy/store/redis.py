@@ -42,12 +42,18 @@ from idemproxy.store.codec import PLAIN, Codec
 log = logging.getLogger("idemproxy.store.redis")
 
 SOCKET_TIMEOUT = 0.5  # seconds: Redis is the fast path; slower than this, PostgreSQL answers instead
+POOL_SIZE = 256  # connections to Redis; past it a request waits up to SOCKET_TIMEOUT for one
+# The Redis lock only keeps duplicates away from PostgreSQL; it lives at most this long, so a lock whose removal
+# failed (Redis errored at that moment) answers 409 for seconds, not for a whole lease. Past it, duplicates of a
+# long request ask PostgreSQL, which still decides.
+LOCK_MAX = 10.0
 BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
 CLOSE_TIMEOUT = 2.0  # seconds any one shutdown step may take
 # An epoch must outlive the window between a writer's read of it and its write (a claim and its completion);
 # one that expires sooner only costs that write (refused), never correctness.
 EPOCH_MIN_TTL = 600.0
 SUBSCRIBER_READ_TIMEOUT = 1.0  # how often the subscriber looks up from its socket to see if it should stop
+SUBSCRIBER_LIVE_WINDOW = 2.5  # seconds without a message or pong after which notifications count as lost
 
 # Per (tenant, key) Redis holds a lock, a replay-cache entry and an epoch. The epoch is a random value an admin
 # release (forget) renews: a cache write carries the epoch its writer read *before* it read the durable store,
@@ -57,7 +63,7 @@ SUBSCRIBER_READ_TIMEOUT = 1.0  # how often the subscriber looks up from its sock
 # An epoch that is missing (never set, evicted, lost in a restart) is created anew by the next claim, never
 # read as "unchanged": a writer that read one and finds none (or another) does not write.
 #
-# KEYS: lock, response, epoch. ARGV: "token fingerprint", lease in ms, a fresh epoch, epoch ttl ms.
+# KEYS: lock, response, epoch. ARGV: "token fingerprint lease-end-ms", lock ttl ms, a fresh epoch, epoch ttl ms.
 # Returns {"completed", payload} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
 _CLAIM = """
 local cached = redis.call('GET', KEYS[2])
@@ -153,16 +159,20 @@ class RedisFrontedStore(Store):
         self.watchers = durable.watchers  # one set of waiters, woken by either notification path
         self.config = config
         self.channel = f"{config.key_prefix}changed"
-        self.redis: Any = aioredis.from_url(
-            config.url.reveal(), socket_timeout=SOCKET_TIMEOUT,
-            socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
+        # A pool that waits (briefly) for a free connection: redis-py's default one fails at once past 100, and
+        # a failed unlock leaves a lock behind.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.url.reveal(), max_connections=POOL_SIZE, timeout=SOCKET_TIMEOUT,
+            socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
         )
+        self.redis: Any = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         # Registered once; each call is one EVALSHA (EVAL only after a Redis restart lost the script).
         self._claim_script = self.redis.register_script(_CLAIM)
         self._settle_script = self.redis.register_script(_SETTLE)
         self._forget_script = self.redis.register_script(_FORGET)
         self._down_until = 0.0
         self._degraded = False
+        self._heard = float("-inf")  # when the subscriber last heard from Redis (monotonic)
         self._epoch_ms = int(max(config.replay_cache_ttl, EPOCH_MIN_TTL) * 1000)
         self._subscriber: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
@@ -194,9 +204,18 @@ class RedisFrontedStore(Store):
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
+                await pubsub.ping()  # its pong proves the subscription is in place
+                resumed = False
                 while not self._closing.is_set():
                     message = await pubsub.get_message(timeout=SUBSCRIBER_READ_TIMEOUT)
-                    if message is not None and message.get("type") == "message" and message["data"]:
+                    if message is None:  # quiet: ask for a sign of life, or a silent cut would look live
+                        await pubsub.ping()
+                        continue
+                    self._heard = time.monotonic()
+                    if not resumed:  # messages sent while we were not subscribed were missed
+                        resumed = True
+                        self.watchers.notify_all()
+                    if message.get("type") == "message" and message["data"]:
                         self.watchers.notify_message(message["data"].decode())
             except _ERRORS:
                 with contextlib.suppress(TimeoutError):  # back off, but wake at once on close
@@ -253,25 +272,27 @@ class RedisFrontedStore(Store):
             if usable[0]:
                 reply = await self._claim_script(
                     keys=self._keys(tenant, key),
-                    args=[f"{token} {fingerprint}", int(lease * 1000), new_token(), self._epoch_ms],
+                    args=[f"{token} {fingerprint} {int((time.time() + lease) * 1000)}",
+                          int(min(lease, LOCK_MAX) * 1000), new_token(), self._epoch_ms],
                 )
                 kind = reply[0].decode()
                 if kind == "completed":  # written only after the durable store completed: authoritative
                     return _Fast(kind, _decode(tenant, key, reply[1], self.codec))
                 if kind == "acquired":
                     return _Fast(kind, epoch=reply[1].decode())
-                _, lock_fp = reply[1].decode().split(" ", 1)
+                _, lock_fp, *deadline = reply[1].decode().split(" ")
                 if lock_fp != fingerprint:
                     # The lock names the fingerprint of whoever took it, before the durable store decided: only
                     # the durable record may answer 422 (the lock holder may be a wrong payload about to be
                     # refused, while this request is the genuine retry of a completed record).
                     return _Fast("foreign", epoch=reply[3].decode())
                 now = time.time()
-                pttl = max(int(reply[2]), 0) / 1000
+                # the lease's end as its owner's replica counted it (the lock itself may expire sooner)
+                lease_end = int(deadline[0]) / 1000 if deadline else now + max(int(reply[2]), 0) / 1000
                 return _Fast(kind, Record(
                     tenant=tenant, key=key, fingerprint=lock_fp, state=State.IN_FLIGHT,
-                    lease_token=None, lease_expires_at=now + pttl, response=None,
-                    created_at=now, completed_at=None, expires_at=now + pttl,
+                    lease_token=None, lease_expires_at=lease_end, response=None,
+                    created_at=now, completed_at=None, expires_at=lease_end,
                 ))
         return None
 
@@ -377,6 +398,10 @@ class RedisFrontedStore(Store):
 
     async def clock(self) -> float:
         return await self.durable.clock()
+
+    def notifications_live(self) -> bool:
+        """Releases reach this process through the subscriber; it is live while Redis answered it lately."""
+        return not self._closing.is_set() and time.monotonic() - self._heard < SUBSCRIBER_LIVE_WINDOW
 
     async def sweep(self, limit: int) -> int:
         return await self.durable.sweep(limit)  # Redis entries expire by their own TTL
