@@ -6,6 +6,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -203,5 +204,35 @@ async def test_embedded_leases_ignore_wall_clock_steps(
         monkeypatch.setattr(time, "time", lambda: real() + 3600)  # NTP steps the clock an hour ahead
         again = await backend.claim("t", "k", FP, lease=30, ttl=60)
         assert not again.owned, "a live lease was taken over because the wall clock jumped"
+    finally:
+        await backend.close()
+
+
+async def test_embedded_group_commit_keeps_each_write_apart(storage: StorageFactory) -> None:
+    """Writes queued in one loop turn share a transaction (one fsync); one that fails rolls back alone."""
+    from idemproxy.problems import StoreUnavailable
+    from idemproxy.store.embedded import EmbeddedStore
+
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": storage("embedded")})
+    backend = build_store(config.storage)
+    assert isinstance(backend, EmbeddedStore)
+    await backend.open()
+    try:
+        def broken(db: Any) -> None:
+            db.execute("INSERT INTO records (tenant, key, fingerprint, state, created_at, expires_at) "
+                       "VALUES ('t', 'half', 'f', 'in_flight', 0, 9e9)")
+            db.execute("SELECT * FROM no_such_table")  # fails after writing: its insert must not survive
+
+        first, bad, last = await asyncio.gather(
+            backend.claim("t", "a", FP, lease=30, ttl=60),
+            backend._write("broken", broken),
+            backend.claim("t", "b", FP, lease=30, ttl=60),
+            return_exceptions=True,
+        )
+        assert isinstance(bad, StoreUnavailable)
+        assert not isinstance(first, BaseException) and first.owned
+        assert not isinstance(last, BaseException) and last.owned
+        assert await backend.get("t", "half") is None
+        assert await backend.get("t", "a") is not None and await backend.get("t", "b") is not None
     finally:
         await backend.close()

@@ -9,6 +9,7 @@ held with an exclusive lock and a second process is refused at start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import logging
 import os
@@ -16,7 +17,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from idemproxy.config import EmbeddedConfig
 from idemproxy.metrics import Metrics
@@ -40,6 +41,9 @@ _COLUMNS = (
     "tenant, key, fingerprint, state, lease_token, lease_expires_at, status, headers, body, "
     "body_stored, created_at, completed_at, expires_at"
 )
+
+
+_Queued = tuple[Callable[[sqlite3.Connection], Any], "asyncio.Future[Any]"]
 
 
 class StoreLocked(Exception):
@@ -71,6 +75,8 @@ class EmbeddedStore(Store):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idemproxy-sqlite")
         self._db: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
+        self._queued: list[_Queued] = []  # writes waiting for the next group commit
+        self._committing = False
         # Leases are timed on the monotonic clock, anchored to the wall clock once at start: a wall-clock step
         # while running can neither shorten a live lease (an early takeover) nor stretch it. Across a restart
         # the anchor is read again, as it must be for records kept on disk.
@@ -143,20 +149,63 @@ class EmbeddedStore(Store):
                 raise StoreUnavailable("The idempotency store (embedded) is unavailable.",
                                        maybe_applied=False) from exc
 
-    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> Callable[[], T]:
-        def run() -> T:
-            db = self._db
-            assert db is not None
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(db)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-            return result
+    async def _write(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn`` in a write transaction, shared with every write queued meanwhile (group commit).
 
-        return run
+        With synchronous=FULL each commit is an fsync; concurrent requests' claims and completions queued
+        while one transaction commits go into the next one together, one fsync for all of them. Each runs in
+        a savepoint of its own, so one that fails leaves the others' work intact.
+        """
+        async with self.measured(operation):
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[Any] = loop.create_future()
+            self._queued.append((fn, future))
+            if not self._committing:
+                self._committing = True
+                loop.call_soon(self._commit_queued)  # after this loop turn: its other writes join the batch
+            try:
+                return cast(T, await future)
+            except (sqlite3.Error, OSError) as exc:  # rolled back: nothing of it was applied
+                raise StoreUnavailable("The idempotency store (embedded) is unavailable.",
+                                       maybe_applied=False) from exc
+
+    def _commit_queued(self) -> None:
+        batch, self._queued = self._queued, []
+        if not batch:
+            self._committing = False
+            return
+        done = asyncio.get_running_loop().run_in_executor(self._executor, self._apply, batch)
+        done.add_done_callback(lambda result: self._hand_out(batch, result))
+
+    def _hand_out(self, batch: list[_Queued], result: asyncio.Future[list[tuple[bool, Any]]]) -> None:
+        error = result.exception() if not result.cancelled() else sqlite3.OperationalError("write cancelled")
+        outcomes = [(False, error)] * len(batch) if error is not None else result.result()
+        for (_, future), (ok, value) in zip(batch, outcomes, strict=True):
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+        self._commit_queued()
+
+    def _apply(self, batch: list[_Queued]) -> list[tuple[bool, Any]]:
+        """On the SQLite thread: one transaction, a savepoint per write."""
+        db = self._db
+        assert db is not None
+        outcomes: list[tuple[bool, Any]] = []
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for fn, _ in batch:
+                db.execute("SAVEPOINT write")
+                try:
+                    outcomes.append((True, fn(db)))
+                except Exception as exc:
+                    db.execute("ROLLBACK TO write")
+                    outcomes.append((False, exc))
+                db.execute("RELEASE write")
+            db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            raise
+        return outcomes
 
     # ------------------------------------------------------------------ operations
 
@@ -195,7 +244,7 @@ class EmbeddedStore(Store):
             return Claim(record=record, owned=True, now=now, took_over=took_over,
                          replaced_expired=replaced)
 
-        return await self._run("claim", self._tx(claim))
+        return await self._write("claim", claim)
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         record = claim.record
@@ -212,7 +261,7 @@ class EmbeddedStore(Store):
             )
             return cursor.rowcount == 1
 
-        done = await self._run("complete", self._tx(complete))
+        done = await self._write("complete", complete)
         self.watchers.notify(record.tenant, record.key)
         return done
 
@@ -232,7 +281,7 @@ class EmbeddedStore(Store):
         def delete(db: sqlite3.Connection) -> bool:
             return db.execute(f"DELETE FROM records WHERE {where}", args).rowcount == 1
 
-        return await self._run(operation, self._tx(delete))
+        return await self._write(operation, delete)
 
     async def get(self, tenant: str, key: str) -> Record | None:
         def get() -> Record | None:
@@ -253,7 +302,7 @@ class EmbeddedStore(Store):
             )
             return cursor.rowcount
 
-        return await self._run("sweep", self._tx(sweep))
+        return await self._write("sweep", sweep)
 
     async def health(self) -> Health:
         try:
