@@ -118,6 +118,7 @@ class Proxy:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL)
             try:
+                await self.store.maintain()  # daily partitions: create ahead, drop whole expired days
                 removed = await self.sweep_once()
             except StoreUnavailable:
                 log.warning("sweep skipped: store unavailable")

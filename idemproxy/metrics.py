@@ -80,6 +80,15 @@ class Metrics:
             "idemproxy_records_expired", "Records removed or replaced after their TTL", registry=r,
         )
 
+        self.partitions_dropped = Counter(
+            "idemproxy_partitions_dropped", "Daily PostgreSQL partitions dropped whole once every record expired",
+            registry=r,
+        )
+        self.partitions = Gauge(
+            "idemproxy_partitions", "Daily PostgreSQL partitions standing (as of the last maintenance)",
+            registry=r, multiprocess_mode="livemax",
+        )
+
     def render(self) -> bytes:
         """The Prometheus text exposition (aggregated over workers in multiprocess mode)."""
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

@@ -367,6 +367,9 @@ class RedisFrontedStore(Store):
     async def sweep(self, limit: int) -> int:
         return await self.durable.sweep(limit)  # Redis entries expire by their own TTL
 
+    async def maintain(self) -> object | None:
+        return await self.durable.maintain()
+
     async def health(self) -> Health:
         health = await self.durable.health()
         try:
