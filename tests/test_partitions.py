@@ -229,6 +229,9 @@ async def test_migrate_converts_a_live_single_table_without_losing_or_duplicatin
 
     applied, shape = await apply_migrations(store_on(db).config)
     assert (applied, shape) == ([], "daily")
+    # A replica still running on the single table follows the conversion at its next claim.
+    assert (await old.claim("t", "during", FP, lease=30, ttl=3600)).owned and old.layout == "daily"
+    assert not (await old.claim("t", "during", FP, lease=30, ttl=3600)).owned
     await old.close()
 
     new = store_on(db)
@@ -237,7 +240,7 @@ async def test_migrate_converts_a_live_single_table_without_losing_or_duplicatin
     try:
         assert new.layout == "daily" and await layout(conn) == "daily"
         counts = await conn.fetch("SELECT key, count(*) AS n FROM idemproxy_records GROUP BY key")
-        assert {row["key"]: row["n"] for row in counts} == dict.fromkeys([*completed, "running", "stale"], 1)
+        assert {row["key"]: row["n"] for row in counts} == dict.fromkeys([*completed, "running", "stale", "during"], 1)
         assert await conn.fetchval("SELECT to_regclass('idemproxy_records_unpartitioned')") is None
         for key, response in completed.items():
             replay = await new.claim("t", key, FP, lease=30, ttl=3600)
@@ -249,7 +252,7 @@ async def test_migrate_converts_a_live_single_table_without_losing_or_duplicatin
         assert (await new.claim("t", "new-key", FP, lease=30, ttl=3600)).owned
 
         assert await apply_migrations(new.config) == ([], "daily")  # safe to run twice
-        assert await conn.fetchval("SELECT count(*) FROM idemproxy_records") == len(completed) + 3
+        assert await conn.fetchval("SELECT count(*) FROM idemproxy_records") == len(completed) + 4
     finally:
         await conn.close()
         await new.close()

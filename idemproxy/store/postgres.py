@@ -585,14 +585,15 @@ class PostgresStore(Store):
         token: str | None = None,
     ) -> Claim:
         token = token or new_token()
-        statement = _P_CLAIM if self.layout == "daily" else _CLAIM
-        async with self._conn("claim") as conn:
-            for _ in range(5):  # see the race described at _CLAIM
-                row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
-                if row is not None:
-                    break
-            else:
-                raise StoreUnavailable("The idempotency store could not settle a claim.")
+        try:
+            row = await self._claim(tenant, key, fingerprint, token, lease, ttl)
+        except StoreUnavailable as exc:
+            # `idemproxy migrate` converted the table under this running replica: ON CONFLICT (tenant, key) finds
+            # no unique index on the partitioned table. Learn the new layout and claim again, once.
+            if self.layout != "none" or not isinstance(exc.__cause__, asyncpg.InvalidColumnReferenceError):
+                raise
+            await self._refresh_layout()
+            row = await self._claim(tenant, key, fingerprint, token, lease, ttl)
         owned = bool(row["owned"])
         return Claim(
             record=_record(row),
@@ -601,6 +602,22 @@ class PostgresStore(Store):
             took_over=owned and row["claim_kind"] == "takeover",
             replaced_expired=owned and row["claim_kind"] == "expired",
         )
+
+    async def _claim(self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float) -> Any:
+        statement = _P_CLAIM if self.layout == "daily" else _CLAIM
+        async with self._conn("claim") as conn:
+            for _ in range(5):  # see the race described at _CLAIM
+                row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
+                if row is not None:
+                    return row
+        raise StoreUnavailable("The idempotency store could not settle a claim.")
+
+    async def _refresh_layout(self) -> None:
+        async with self._conn("open") as conn:
+            found = await layout(conn) or "none"
+        if found != self.layout:
+            log.warning("%s is now %s; following it", TABLE, "partitioned" if found == "daily" else "one table")
+            self.layout = found
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         tenant, key, token = claim.record.tenant, claim.record.key, claim.token
@@ -624,10 +641,13 @@ class PostgresStore(Store):
     async def sweep(self, limit: int) -> int:
         """One batch of expired rows deleted, by one replica at a time (a transaction-scoped advisory lock).
 
-        In the daily layout only the default partition is swept by rows; whole days go by :meth:`maintain`."""
+        In the daily layout only the default partition is swept by rows; whole days go by :meth:`maintain`.
+        The layout is looked up again first: the single-table DELETE by ctid, run on a partitioned table, would
+        match rows of every partition that share a ctid."""
         async with self._conn("sweep") as conn, conn.transaction():
             if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", SWEEP_LOCK):
                 return 0
+            self.layout = await layout(conn) or self.layout
             result = await conn.execute(_SWEEP_DEFAULT if self.layout == "daily" else _SWEEP, limit)
         return int(result.split()[-1])
 
