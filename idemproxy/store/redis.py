@@ -8,6 +8,13 @@ store's claim: the Redis lock only keeps most duplicates away from it.
 When Redis errors, the store behaves as if Redis said "unknown" and asks the durable store directly; a
 circuit breaker then skips Redis for a short while so an outage costs one failed attempt, not one per request.
 All keys of one (tenant, key) share a hash tag so Redis Cluster keeps them in one slot.
+
+With ``cluster: true`` the client is redis-py's cluster client: it learns the slot map from the node the url
+names, follows MOVED/ASK, and re-reads the map after a failover. Every script touches the keys of one (tenant,
+key) only, so each runs on the one master of that slot. Notifications stay classic PUBLISH (from inside the
+scripts): Redis Cluster broadcasts a classic PUBLISH to every node, so the subscriber listens on any one node and
+moves to the next when that node is lost. Sharded pub/sub (SPUBLISH) would spare that broadcast, but a script may
+only SPUBLISH to a channel in its own slot: one channel per slot, and a subscriber per master.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 
 from idemproxy.config import RedisConfig
 from idemproxy.metrics import Metrics
@@ -86,7 +94,13 @@ return 1
 """
 UNKNOWN_EPOCH = "?"  # never equals a stored epoch: a writer that never read one may not fill the cache
 
-_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+# RedisClusterException (no node reachable to learn the slot map from) is no RedisError.
+_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+# redis-py's async cluster client can fail with AttributeError/TypeError while a lost node's connections are torn
+# down under commands still using them, or while its slot map is briefly inconsistent (redis/redis-py#3546,
+# #3835; seen here as "'NoneType' object has no attribute 'writelines'" when a master is killed). On a cluster
+# these count as Redis failing too: the durable store answers instead of the request getting a 500.
+_CLUSTER_ERRORS = (*_ERRORS, AttributeError, TypeError)
 
 
 @dataclass(frozen=True)
@@ -137,11 +151,13 @@ class RedisFrontedStore(Store):
         self.watchers = durable.watchers  # one set of waiters, woken by either notification path
         self.config = config
         self.channel = f"{config.key_prefix}changed"
-        self.redis: Any = aioredis.from_url(
+        connect = RedisCluster.from_url if config.cluster else aioredis.from_url
+        self.redis: Any = connect(
             config.url.reveal(), socket_timeout=SOCKET_TIMEOUT,
             socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
         )
         # Registered once; each call is one EVALSHA (EVAL only after a Redis restart lost the script).
+        self._errors = _CLUSTER_ERRORS if config.cluster else _ERRORS
         self._claim_script = self.redis.register_script(_CLAIM)
         self._settle_script = self.redis.register_script(_SETTLE)
         self._forget_script = self.redis.register_script(_FORGET)
@@ -159,7 +175,7 @@ class RedisFrontedStore(Store):
     async def close(self) -> None:
         self._closing.set()
         if self._subscriber is not None:
-            with contextlib.suppress(*_ERRORS):  # wake it now rather than at its next read timeout
+            with contextlib.suppress(*self._errors):  # wake it now rather than at its next read timeout
                 await asyncio.wait_for(self.redis.publish(self.channel, b""), CLOSE_TIMEOUT)
             # The subscriber notices the flag within one read timeout and ends by itself: redis-py's pub/sub
             # read can swallow a cancellation, and a task that outlives its loop hangs the process's exit.
@@ -167,26 +183,46 @@ class RedisFrontedStore(Store):
             if not self._subscriber.done():
                 log.warning("redis subscriber did not stop in time; cancelling it")
                 self._subscriber.cancel()
-        with contextlib.suppress(*_ERRORS):
+        with contextlib.suppress(*self._errors):
             await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT)
         await self.durable.close()
 
+    async def _pubsub(self, attempt: int) -> tuple[Any, Any]:
+        """(client to close, pubsub): on a cluster, a plain connection to one node, the next one at each attempt
+        (a classic PUBLISH reaches every node); otherwise the store's own client."""
+        if not self.config.cluster:
+            return None, self.redis.pubsub(ignore_subscribe_messages=True)
+        await self.redis.initialize()
+        nodes = sorted(self.redis.get_nodes(), key=lambda node: node.name)
+        node = nodes[attempt % len(nodes)]
+        client = aioredis.Redis(host=node.host, port=node.port, socket_timeout=SOCKET_TIMEOUT,
+                                socket_connect_timeout=SOCKET_TIMEOUT)
+        return client, client.pubsub(ignore_subscribe_messages=True)
+
     async def _subscribe(self) -> None:
         """Deliver completion messages to local waiters; reconnect after Redis comes back; stop on close."""
+        attempt = 0
         while not self._closing.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            client, pubsub = None, None
             try:
+                client, pubsub = await self._pubsub(attempt)
                 await pubsub.subscribe(self.channel)
+                if attempt:  # messages sent while we were not subscribed were missed: let every waiter look
+                    self.watchers.notify_all()
                 while not self._closing.is_set():
                     message = await pubsub.get_message(timeout=SUBSCRIBER_READ_TIMEOUT)
                     if message is not None and message.get("type") == "message" and message["data"]:
                         self.watchers.notify_message(message["data"].decode())
-            except _ERRORS:
+            except self._errors:
+                attempt += 1
                 with contextlib.suppress(TimeoutError):  # back off, but wake at once on close
                     await asyncio.wait_for(self._closing.wait(), BREAKER_COOLDOWN)
             finally:
-                with contextlib.suppress(*_ERRORS):
-                    await pubsub.aclose()
+                with contextlib.suppress(*self._errors):
+                    if pubsub is not None:
+                        await pubsub.aclose()
+                    if client is not None:
+                        await client.aclose()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -209,7 +245,7 @@ class RedisFrontedStore(Store):
         started = time.perf_counter()
         try:
             yield usable
-        except _ERRORS as exc:
+        except self._errors as exc:
             usable[0] = False
             if self.metrics is not None:
                 self.metrics.store_errors.labels("redis", operation).inc()
@@ -354,7 +390,7 @@ class RedisFrontedStore(Store):
                 keys=self._keys(tenant, key),
                 args=[self.channel, self.watchers.message(tenant, key), new_token(), epoch_ms],
             )
-        except _ERRORS as exc:
+        except self._errors as exc:
             if self.metrics is not None:
                 self.metrics.store_errors.labels("redis", "forget").inc()
             raise StoreUnavailable(
@@ -375,6 +411,6 @@ class RedisFrontedStore(Store):
         try:
             await asyncio.wait_for(self.redis.ping(), SOCKET_TIMEOUT * 2)
             health.details["redis"] = "ok"
-        except _ERRORS:
+        except self._errors:
             health.details["redis"] = "unavailable (degraded: served from PostgreSQL alone, slower)"
         return health
