@@ -66,6 +66,20 @@ async def median_ms(n: int, op: Callable[[int], Awaitable[Any]]) -> float:
     return statistics.median(times) * 1000
 
 
+def postgres_cpu() -> float:
+    """CPU seconds used so far by the local server's processes (``postgres`` in /proc; a local server only)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if fields[0].endswith("(postgres"):
+            values = fields[1].split()
+            total += int(values[11]) + int(values[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 async def first(store: Store, key: str) -> None:
     claim = await store.claim(TENANT, key, FP, lease=60, ttl=86400)
     assert claim.owned
@@ -85,10 +99,13 @@ async def measure(label: str, storage: dict[str, Any], dsn: str, records: int, c
     try:
         run = uuid.uuid4().hex[:8]
         wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
+        cpu0 = postgres_cpu()
         first_rate = await rate(records, concurrency, lambda i: first(store, f"{run}-{i:012d}"))
+        cpu1 = postgres_cpu()
         wal1 = await conn.fetchval("SELECT pg_current_wal_lsn()")
         wal = await conn.fetchval("SELECT $1::pg_lsn - $2::pg_lsn", wal1, wal0)
         replay_rate = await rate(records, concurrency, lambda i: replay(store, f"{run}-{i:012d}"))
+        cpu2 = postgres_cpu()
         first_ms = await median_ms(500, lambda i: first(store, f"{run}-solo-{i}"))
         replay_ms = await median_ms(500, lambda i: replay(store, f"{run}-solo-{i}"))
         await conn.execute("CHECKPOINT")
@@ -99,11 +116,66 @@ async def measure(label: str, storage: dict[str, Any], dsn: str, records: int, c
         stored = await conn.fetchval("SELECT count(*) FROM idemproxy_records")
         print(f"{label:28s} first {first_rate:7.0f}/s  replay {replay_rate:7.0f}/s  "
               f"first p50 {first_ms:5.2f} ms  replay p50 {replay_ms:5.2f} ms  "
-              f"WAL/first {int(wal) / records:6.0f} B  bytes/record {int(size) / stored:6.0f} B")
+              f"WAL/first {int(wal) / records:6.0f} B  bytes/record {int(size) / stored:6.0f} B  "
+              f"PG CPU/first {(cpu1 - cpu0) / records * 1e6:4.0f} us  "
+              f"PG CPU/replay {(cpu2 - cpu1) / records * 1e6:4.0f} us")
         await conn.execute("TRUNCATE idemproxy_records")
     finally:
         await conn.close()
         await store.close()
+
+
+async def expiry_cost(dsn: str, one_dsn: str, records: int) -> None:
+    """WAL written to get rid of ``records`` expired records: row by row (one table: the sweeper's DELETE, then
+    the VACUUM it calls for) against dropping their day's partition."""
+    from datetime import UTC, datetime, timedelta
+
+    from idemproxy.store.postgres import create_partition, maintain_partitions
+
+    conn = await asyncpg.connect(one_dsn)
+    store = build_store(load_config({"upstream": {"url": "http://127.0.0.1:1"},
+                                     "storage": {"postgres": {"dsn": one_dsn, "partitions": "none"}}}).storage)
+    await store.open()
+    try:
+        await rate(records, 16, lambda i: first_with_ttl(store, f"x{i}", 1.0))
+        await asyncio.sleep(1.5)
+        await conn.execute("CHECKPOINT")
+        wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
+        while await store.sweep(1000):
+            pass
+        wal1 = await conn.fetchval("SELECT pg_current_wal_lsn()")
+        await conn.execute("VACUUM idemproxy_records")
+        wal2 = await conn.fetchval("SELECT pg_current_wal_lsn()")
+        delete = await conn.fetchval("SELECT $1::pg_lsn - $2::pg_lsn", wal1, wal0)
+        vacuum = await conn.fetchval("SELECT $1::pg_lsn - $2::pg_lsn", wal2, wal1)
+    finally:
+        await store.close()
+        await conn.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        today = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+        await create_partition(conn, today - timedelta(days=1))
+        at = datetime.combine(today - timedelta(days=1), datetime.min.time(), UTC)
+        for start in range(0, records, 1000):  # each claim holds a key lock to commit: batches of 1000
+            await conn.execute(
+                "SELECT count(*) FROM generate_series($3::int, $3::int + 999) AS n, "
+                "LATERAL idemproxy_claim('t', 'd' || n, $1, 'tok', 60, 60, $2) AS c",
+                FP, at, start)
+        await conn.execute("CHECKPOINT")
+        wal0 = await conn.fetchval("SELECT pg_current_wal_lsn()")
+        done = await maintain_partitions(conn)
+        wal1 = await conn.fetchval("SELECT pg_current_wal_lsn()")
+        dropped = await conn.fetchval("SELECT $1::pg_lsn - $2::pg_lsn", wal1, wal0)
+    finally:
+        await conn.close()
+    print(f"{'expiring ' + str(records) + ' records':28s} one table: DELETE {int(delete) / records:5.0f} B/record + "
+          f"VACUUM {int(vacuum) / records:5.0f} B/record of WAL;  daily: DROP of {len(done.dropped)} partition "
+          f"{int(dropped)} B of WAL in all")
+
+
+async def first_with_ttl(store: Store, key: str, ttl: float) -> None:
+    claim = await store.claim(TENANT, key, FP, lease=ttl, ttl=ttl)
+    await store.complete(claim, RESPONSE, ttl=ttl)
 
 
 async def redis_scripts(storage: dict[str, Any], records: int, concurrency: int) -> None:
@@ -122,15 +194,65 @@ async def redis_scripts(storage: dict[str, Any], records: int, concurrency: int)
                                    args=["tok", payload, 3600000, store.channel, "m", "", "1", "", 0])
 
     before = (await store.redis.info("memory"))["used_memory"]
+    def cpu(info: dict[str, Any]) -> float:
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    cpu0 = cpu(await store.redis.info("cpu"))
     lock_rate = await rate(records, concurrency, lock)
     settle_rate = await rate(records, concurrency, settle)
+    cpu1 = cpu(await store.redis.info("cpu"))
     replay_rate = await rate(records, concurrency, lock)  # the cache now answers: the replay path
+    cpu2 = cpu(await store.redis.info("cpu"))
     grown = (await store.redis.info("memory"))["used_memory"] - before
     print(f"{'redis scripts':28s} lock {lock_rate:7.0f}/s  settle {settle_rate:7.0f}/s  replay {replay_rate:7.0f}/s  "
-          f"memory {grown / records:6.0f} B per cached record")
+          f"memory {grown / records:6.0f} B per cached record  CPU/first {(cpu1 - cpu0) / records * 1e6:3.0f} us  "
+          f"CPU/replay {(cpu2 - cpu1) / records * 1e6:3.0f} us")
     async for key in store.redis.scan_iter(match=f"{store.config.key_prefix}*", count=1000):
         await store.redis.delete(key)
     await store.redis.aclose()
+
+
+def process_cpu(pid: int) -> float:
+    values = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(values[11]) + int(values[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def proxy_cpu(storage: dict[str, Any], requests: int, concurrency: int) -> None:
+    """CPU seconds the proxy process spends per first request and per replay (Redis + PostgreSQL behind it)."""
+    import tempfile
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from bench.run import upstream_app
+    from tests.proxyproc import ProxyProcess
+
+    upstream = TestServer(upstream_app(), host="127.0.0.1")
+    await upstream.start_server()
+    workdir = Path(tempfile.mkdtemp(prefix="idemproxy-capacity-"))
+    proxy = ProxyProcess({"upstream": {"url": str(upstream.make_url("")).rstrip("/")},
+                          "tenant": {"from": "static"}, "log": {"access": "off"}, "storage": storage}, workdir)
+    await proxy.start()
+    assert proxy.proc is not None
+    run = uuid.uuid4().hex[:8]
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def post(i: int) -> None:
+                headers = {"Idempotency-Key": f"{run}-{i}", "Content-Type": "application/json"}
+                async with session.post(proxy.url + "/v1/charges", data=BODY, headers=headers) as resp:
+                    await resp.read()
+
+            await rate(500, concurrency, lambda i: post(10**9 + i))  # warm up
+            cpu0 = process_cpu(proxy.proc.pid)
+            first_rate = await rate(requests, concurrency, post)
+            cpu1 = process_cpu(proxy.proc.pid)
+            replay_rate = await rate(requests, concurrency, post)
+            cpu2 = process_cpu(proxy.proc.pid)
+    finally:
+        proxy.kill()
+        await upstream.close()
+    print(f"{'proxy process (1 worker)':28s} first {first_rate:7.0f}/s  replay {replay_rate:7.0f}/s  "
+          f"CPU/first {(cpu1 - cpu0) / requests * 1e6:4.0f} us  CPU/replay {(cpu2 - cpu1) / requests * 1e6:4.0f} us")
 
 
 async def main() -> None:
@@ -157,6 +279,9 @@ async def main() -> None:
         await measure("redis + postgres (daily)", {"postgres": {"dsn": dsn, **pool},
                                                    "redis": {"url": redis_url, "key_prefix": prefix}},
                       dsn, args.records, args.concurrency)
+        await proxy_cpu({"postgres": {"dsn": dsn, **pool}, "redis": {"url": redis_url, "key_prefix": prefix}},
+                        min(args.records, 5000), args.concurrency)
+        await expiry_cost(dsn, one_dsn, args.records)
         await redis_scripts({"postgres": {"dsn": dsn, **pool}, "redis": {"url": redis_url, "key_prefix": prefix}},
                             args.records, args.concurrency)
     finally:
