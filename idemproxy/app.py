@@ -105,7 +105,9 @@ class Proxy:
                 await asyncio.wait_for(self._stopping.wait(), STORE_PROBE_INTERVAL)
 
     async def sweep_once(self) -> int:
-        """Delete expired records in bounded batches until none is left; returns how many."""
+        """Maintain the store's partitions (daily layout: create days ahead, drop passed days whole), then delete
+        expired records in bounded batches until none is left; returns how many rows were deleted."""
+        await self.store.maintain()
         total = 0
         while True:
             removed = await self.store.sweep(SWEEP_BATCH)
@@ -118,7 +120,6 @@ class Proxy:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL)
             try:
-                await self.store.maintain()  # daily partitions: create ahead, drop whole expired days
                 removed = await self.sweep_once()
             except StoreUnavailable:
                 log.warning("sweep skipped: store unavailable")

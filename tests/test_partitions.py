@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
@@ -87,6 +88,17 @@ async def test_a_new_schema_is_partitioned_by_expiry_day_created_ahead(store: Po
         assert (await store.claim("t", "k", FP, lease=30, ttl=60)).record.response == OK
     finally:
         await conn.close()
+
+
+async def test_a_completion_finds_its_record_even_where_the_claim_did_not_leave_it(store: PostgresStore) -> None:
+    """complete() looks in the claim's expiry day first; a record elsewhere (moved out of the default partition,
+    or a caller with a guessed expiry) is still found, and the fence still holds."""
+    claim = await store.claim("t", "moved", FP, lease=30, ttl=60)
+    elsewhere = replace(claim, record=replace(claim.record, expires_at=claim.record.expires_at + 3 * 86400))
+    stranger = replace(elsewhere, record=replace(elsewhere.record, lease_token="not-the-owner"))
+    assert not await store.complete(stranger, OK, ttl=60)
+    assert await store.complete(elsewhere, OK, ttl=60)
+    assert (await store.claim("t", "moved", FP, lease=30, ttl=60)).record.response == OK
 
 
 async def test_a_claim_racing_one_from_before_midnight_waits_and_sees_it(store: PostgresStore, db: str) -> None:
