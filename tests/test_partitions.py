@@ -16,8 +16,8 @@ from idemproxy.metrics import Metrics
 from idemproxy.store import State, StoredResponse
 from idemproxy.store.postgres import (
     DEFAULT_PARTITION,
+    MAINTAIN_LOCK,
     PARTITION_DAYS_AHEAD,
-    SWEEP_LOCK,
     PostgresStore,
     apply_migrations,
     create_partition,
@@ -181,9 +181,9 @@ async def test_maintenance_drops_expired_days_whole_and_keeps_today(db: str) -> 
 async def test_one_replica_at_a_time_maintains(store: PostgresStore, db: str) -> None:
     other = await connect(db)
     try:
-        await other.execute("SELECT pg_advisory_lock($1)", SWEEP_LOCK + 1)
+        await other.execute("SELECT pg_advisory_lock($1)", MAINTAIN_LOCK)
         assert await store.maintain() is None
-        await other.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK + 1)
+        await other.execute("SELECT pg_advisory_unlock($1)", MAINTAIN_LOCK)
         assert await store.maintain() is not None
     finally:
         await other.close()

@@ -25,6 +25,7 @@ NOTIFY_CHANNEL = "idemproxy_changed"
 # Arbitrary constants naming our advisory locks (pg_advisory_lock takes a bigint).
 MIGRATION_LOCK = 0x1DE4_0001
 SWEEP_LOCK = 0x1DE4_0002
+MAINTAIN_LOCK = 0x1DE4_0003  # partition maintenance: session-level, held across its DDL transactions
 OPERATION_TIMEOUT = 5.0  # seconds: a hung database must become a 503, never a hung request
 
 MIGRATIONS: tuple[str, ...] = (
@@ -668,12 +669,12 @@ class PostgresStore(Store):
         if self.layout != "daily":
             return None
         async with self._conn("maintain") as conn:
-            if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", SWEEP_LOCK + 1):
+            if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", MAINTAIN_LOCK):
                 return None
             try:
                 done = await maintain_partitions(conn)
             finally:
-                await conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK + 1)
+                await conn.execute("SELECT pg_advisory_unlock($1)", MAINTAIN_LOCK)
         for name in done.created:
             log.info("created partition %s", name)
         for name in done.dropped:

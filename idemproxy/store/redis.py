@@ -61,11 +61,15 @@ SUBSCRIBER_READ_TIMEOUT = 1.0  # how often the subscriber looks up from its sock
 #
 # KEYS: lock, response, epoch. ARGV: "token fingerprint", lease in ms.
 # Returns {"completed", payload} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
+# Idempotent: the client may send it again after a connection broke with the reply in flight (redis-py retries on
+# connection errors; the cluster client does so across a failover), and the lock it finds is then its own (the
+# token is unique to this claim): acquired, never a 409 against itself.
 _CLAIM = """
 local cached = redis.call('GET', KEYS[2])
 if cached then return {'completed', cached} end
 local epoch = redis.call('GET', KEYS[3]) or ''
 local lock = redis.call('GET', KEYS[1])
+if lock == ARGV[1] then return {'acquired', epoch} end
 if lock then return {'in_flight', lock, redis.call('PTTL', KEYS[1]), epoch} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {'acquired', epoch}
