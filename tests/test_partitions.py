@@ -178,6 +178,25 @@ async def test_maintenance_drops_expired_days_whole_and_keeps_today(db: str) -> 
         await backend.close()
 
 
+async def test_a_drop_blocked_by_a_long_transaction_waits_for_the_next_pass(store: PostgresStore, db: str) -> None:
+    conn, other = await connect(db), await connect(db)
+    try:
+        yesterday = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date - 1")
+        assert await create_partition(conn, yesterday)
+        transaction = other.transaction()
+        await transaction.start()
+        await other.execute(f"LOCK TABLE {partition(yesterday)} IN ACCESS SHARE MODE")  # a long reader
+        blocked = await store.maintain()
+        assert blocked is not None and blocked.dropped == ()  # no store error: skipped after the lock timeout
+        assert (await store.claim("t", "meanwhile", FP, lease=30, ttl=60)).owned
+        await transaction.rollback()
+        done = await store.maintain()
+        assert done is not None and done.dropped == (partition(yesterday),)
+    finally:
+        await other.close()
+        await conn.close()
+
+
 async def test_one_replica_at_a_time_maintains(store: PostgresStore, db: str) -> None:
     other = await connect(db)
     try:

@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -19,6 +19,7 @@ from idemproxy.problems import StoreRejected, StoreUnavailable
 from idemproxy.store.base import Claim, Health, Record, State, Store, StoredResponse, new_token
 
 log = logging.getLogger("idemproxy.store.postgres")
+T = TypeVar("T")
 
 TABLE = "idemproxy_records"
 NOTIFY_CHANNEL = "idemproxy_changed"
@@ -367,27 +368,47 @@ class Maintenance:
 
 async def maintain_partitions(conn: Any, today: date | None = None) -> Maintenance:
     """Create the partitions of today and the next PARTITION_DAYS_AHEAD days; drop every partition whose day has
-    passed (each record in it has expired: expires_at < its day's end <= now). Run by one replica at a time."""
+    passed (each record in it has expired: expires_at < its day's end <= now). Run by one replica at a time.
+
+    A step that cannot get its lock within DDL_LOCK_TIMEOUT (a long transaction holds the table) is skipped with
+    a warning and tried again at the next pass: it is not a store failure."""
     today = today or await _db_today(conn)
+    days = [today + timedelta(days=n) for n in range(PARTITION_DAYS_AHEAD + 1)]
     created = [
-        _partition_name(today + timedelta(days=n))
-        for n in range(PARTITION_DAYS_AHEAD + 1)
-        if await create_partition(conn, today + timedelta(days=n))
+        _partition_name(day) for day in days
+        if await _in_time(create_partition(conn, day), f"create {_partition_name(day)}")
     ]
     dropped: list[str] = []
     rows = 0
     for name in await _partitions(conn):
         if name == DEFAULT_PARTITION or name >= _partition_name(today):  # names sort as their days
             continue
-        async with conn.transaction():
-            # DROP of a partition locks the parent briefly; the timeout keeps claims from queueing behind a DROP
-            # that itself waits on a long transaction (it is retried at the next sweep).
-            await conn.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
-            rows += int(max(await conn.fetchval("SELECT reltuples FROM pg_class WHERE oid = $1::regclass", name), 0))
-            await conn.execute(f"DROP TABLE {name}")
-        dropped.append(name)
+        estimate = await _in_time(_drop_partition(conn, name), f"drop {name}")
+        if estimate is not None:
+            rows += estimate
+            dropped.append(name)
     standing = sum(1 for name in await _partitions(conn) if name != DEFAULT_PARTITION)
     return Maintenance(tuple(created), tuple(dropped), rows, standing)
+
+
+async def _drop_partition(conn: Any, name: str) -> int:
+    """DROP one partition; returns its estimated row count (pg_class.reltuples: counting would read it all)."""
+    async with conn.transaction():
+        # DROP of a partition locks the parent briefly; the timeout keeps claims from queueing behind a DROP that
+        # itself waits on a long transaction.
+        await conn.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
+        rows = await conn.fetchval("SELECT reltuples FROM pg_class WHERE oid = $1::regclass", name)
+        await conn.execute(f"DROP TABLE {name}")
+    return int(max(rows, 0))
+
+
+async def _in_time(step: Awaitable[T], what: str) -> T | None:
+    try:
+        return await step
+    except asyncpg.LockNotAvailableError:
+        log.warning("partition maintenance: %s waited over %s for its lock; retried at the next sweep",
+                    what, DDL_LOCK_TIMEOUT)
+        return None
 
 
 async def _convert_to_daily(conn: Any) -> None:
