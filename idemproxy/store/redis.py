@@ -31,6 +31,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from idemproxy.config import RedisConfig
@@ -199,8 +201,10 @@ class RedisFrontedStore(Store):
         await self.redis.initialize()
         nodes = sorted(self.redis.get_nodes(), key=lambda node: node.name)
         node = nodes[attempt % len(nodes)]
+        # No retries of its own: redis-py would keep reconnecting to a lost node with backoff (seconds, deaf to
+        # close()); failing at once moves the subscriber to the next node.
         client = aioredis.Redis(host=node.host, port=node.port, socket_timeout=SOCKET_TIMEOUT,
-                                socket_connect_timeout=SOCKET_TIMEOUT)
+                                socket_connect_timeout=SOCKET_TIMEOUT, retry=Retry(NoBackoff(), 0))
         return client, client.pubsub(ignore_subscribe_messages=True)
 
     async def _subscribe(self) -> None:
