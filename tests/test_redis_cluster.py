@@ -112,3 +112,20 @@ async def test_a_master_killed_mid_run_costs_speed_never_correctness(
     replay, _ = await proxy.post("/v1/charges", key="after", body=CHARGE)
     assert resp.status == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert upstream.count(key="after") == 1
+
+
+async def test_the_subscriber_leaves_a_lost_node_and_stops_at_once_on_close(
+    stores: list[RedisFrontedStore], cluster: RedisClusterServers
+) -> None:
+    """redis-py's own reconnect attempts to a lost node (with backoff) kept the subscriber deaf to close()."""
+    store = stores[0]
+    await asyncio.sleep(0.3)
+    listening = sorted(store.redis.get_nodes(), key=lambda node: node.name)[0]  # where attempt 0 subscribes
+    await asyncio.to_thread(cluster.kill, listening.port)
+    await asyncio.sleep(0.5)
+    task = store._subscriber
+    assert task is not None
+    started = asyncio.get_running_loop().time()
+    await store.close()
+    assert task.done() and not task.cancelled()
+    assert asyncio.get_running_loop().time() - started < 1.0
