@@ -106,7 +106,9 @@ class Proxy:
                 await asyncio.wait_for(self._stopping.wait(), STORE_PROBE_INTERVAL)
 
     async def sweep_once(self) -> int:
-        """Delete expired records in bounded batches until none is left; returns how many."""
+        """Maintain the store's partitions (daily layout: create days ahead, drop passed days whole), then delete
+        expired records in bounded batches until none is left; returns how many rows were deleted."""
+        await self.store.maintain()
         total = 0
         while True:
             removed = await self.store.sweep(SWEEP_BATCH)

@@ -126,8 +126,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         assert config.storage.postgres is not None
-        applied = await apply_migrations(config.storage.postgres)
-        print(f"schema up to date (applied: {applied or 'none'})")
+        applied, shape = await apply_migrations(config.storage.postgres)
+        partitions = "daily partitions" if shape == "daily" else "one table"
+        print(f"schema up to date (applied: {applied or 'none'}; records: {partitions})")
 
     _run(run())
     return 0

@@ -176,6 +176,7 @@ class RedisConfig:
     url: SecretURL = field(default_factory=lambda: SecretURL("redis://127.0.0.1:6379/0"))
     key_prefix: str = "idem:"
     replay_cache_ttl: float = 3600.0
+    cluster: bool = False  # Redis Cluster: the url names any node, the client learns the rest
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class PostgresConfig:
     pool_min: int = 2
     pool_max: int = 20
     migrate: Literal["auto", "off"] = "auto"
+    # daily: records live in daily partitions by expiry day, dropped whole once expired (new schemas);
+    # none: one table, expired rows deleted by the sweeper. `idemproxy migrate` converts none → daily.
+    partitions: Literal["daily", "none"] = "daily"
 
 
 @dataclass(frozen=True)
@@ -519,12 +523,13 @@ _SPECS: dict[type[Any], _Spec] = {
     PendingSettlesConfig: {"max_count": _int(1, 10_000_000), "max_bytes": parse_size},
     CompressionConfig: {"min_size": parse_size, "level": _int(1, 19)},
     EncryptionConfig: {"key": _store_key, "previous_keys": _store_keys},
-    RedisConfig: {"url": _redis_url, "key_prefix": _str, "replay_cache_ttl": parse_duration},
+    RedisConfig: {"url": _redis_url, "key_prefix": _str, "replay_cache_ttl": parse_duration, "cluster": _bool},
     PostgresConfig: {
         "dsn": _pg_dsn,
         "pool_min": _int(1, 1000),
         "pool_max": _int(1, 1000),
         "migrate": _choice("auto", "off"),
+        "partitions": _choice("daily", "none"),
     },
     LogConfig: {
         "level": _log_level,

@@ -86,6 +86,15 @@ class Metrics:
             "idemproxy_records_expired", "Records removed or replaced after their TTL", registry=r,
         )
 
+        self.partitions_dropped = Counter(
+            "idemproxy_partitions_dropped", "Daily PostgreSQL partitions dropped whole once every record expired",
+            registry=r,
+        )
+        self.partitions = Gauge(
+            "idemproxy_partitions", "Daily PostgreSQL partitions standing (as of the last maintenance)",
+            registry=r, multiprocess_mode="livemax",
+        )
+
     def per_request(self, route: str, method: str, outcome: str) -> tuple[Any, Any, Any]:
         """The labelled children every request updates, looked up once per label set (``labels()`` costs a
         lock and a dict lookup each time; methods, routes and outcomes are few)."""

@@ -83,6 +83,13 @@ def pg_dsn(pg_admin_dsn: str) -> Iterator[str]:
         yield dsn
 
 
+@pytest.fixture(scope="session")
+def pg_one_table_dsn(pg_admin_dsn: str) -> Iterator[str]:
+    """A database of this run's own for the single-table layout (`partitions: none`), dropped at the end."""
+    with scratch_database(pg_admin_dsn, "idemproxy_one") as dsn:
+        yield dsn
+
+
 @pytest.fixture
 def redis_prefix(redis_url: str) -> Iterator[str]:
     prefix = f"idemtest:{uuid.uuid4().hex[:12]}:"
@@ -96,17 +103,22 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
         client.close()
 
 
-@pytest.fixture
-async def clean_pg(pg_dsn: str) -> str:
-    """The run's database with an empty records table."""
-    conn = await asyncpg.connect(pg_dsn)
+async def empty_records(dsn: str) -> str:
+    """Empty the records table of ``dsn`` (if it exists); returns ``dsn``."""
+    conn = await asyncpg.connect(dsn)
     try:
         exists = await conn.fetchval("SELECT to_regclass('idemproxy_records') IS NOT NULL")
         if exists:
             await conn.execute("TRUNCATE idemproxy_records")
     finally:
         await conn.close()
-    return pg_dsn
+    return dsn
+
+
+@pytest.fixture
+async def clean_pg(pg_dsn: str) -> str:
+    """The run's database with an empty records table."""
+    return await empty_records(pg_dsn)
 
 
 StorageFactory = Callable[[str], dict[str, Any]]

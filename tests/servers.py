@@ -176,3 +176,91 @@ def _open_tree(root: Path) -> None:
             if not target.is_symlink():
                 target.chmod(target.stat().st_mode | stat.S_IROTH | stat.S_IXOTH)
     root.chmod(root.stat().st_mode | stat.S_IROTH | stat.S_IXOTH)
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000: Redis 6 has no cluster-port option) is free too."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class RedisClusterServers:
+    """A Redis Cluster of real ``redis-server --cluster-enabled yes`` nodes on free loopback ports: ``masters``
+    masters, each with ``replicas`` replicas, slots assigned by ``redis-cli --cluster create``. kill() one node
+    to lose it (a replica, if any, is promoted after ``node_timeout_ms``); destroy() stops them all."""
+
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+        self.binary = RedisServer._find()
+        self.cli = self._find_cli()
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.dir = Path(tempfile.mkdtemp(prefix="idemproxy-redis-cluster-"))
+        self.ports = [_cluster_port() for _ in range(masters * (1 + replicas))]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def _find_cli(self) -> str:
+        beside = Path(self.binary).parent / "redis-cli"
+        for candidate in (str(beside), shutil.which("redis-cli")):
+            if candidate and os.access(candidate, os.X_OK):
+                return candidate
+        raise RuntimeError("no redis-cli beside redis-server or on PATH: cannot create a cluster")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self) -> None:
+        for port in self.ports:
+            node_dir = self.dir / str(port)
+            node_dir.mkdir()
+            log = node_dir / "redis.log"
+            with log.open("ab") as out:
+                self.procs[port] = subprocess.Popen(
+                    [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                     "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", str(self.node_timeout_ms)],
+                    stdout=out, stderr=subprocess.STDOUT,
+                )
+            _wait_for_port(port, 10, self.procs[port], log)
+        nodes = [f"127.0.0.1:{port}" for port in self.ports]
+        subprocess.run([self.cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas),
+                        "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+
+    def info(self, port: int, command: str = "CLUSTER INFO") -> str:
+        result = subprocess.run([self.cli, "-p", str(port), *command.split()], capture_output=True, timeout=10)
+        return result.stdout.decode(errors="replace")
+
+    def wait_ok(self, timeout: float = 30) -> None:
+        """Until every live node says cluster_state:ok (all slots served)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in self.info(port) for port in self.procs):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def masters(self) -> list[int]:
+        """Ports of the live masters (as the first live node sees them)."""
+        port = next(iter(self.procs))
+        lines = self.info(port, "CLUSTER NODES").splitlines()
+        return [int(line.split()[1].split("@")[0].rsplit(":", 1)[1]) for line in lines
+                if "master" in line.split()[2] and "fail" not in line.split()[2]]
+
+    def kill(self, port: int) -> None:
+        proc = self.procs.pop(port)
+        proc.kill()
+        proc.wait(10)
+
+    def destroy(self) -> None:
+        for port in list(self.procs):
+            self.kill(port)
+        shutil.rmtree(self.dir, ignore_errors=True)

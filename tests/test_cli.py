@@ -40,11 +40,13 @@ async def test_migrate_creates_the_schema_and_is_safe_to_run_twice(empty_db: str
     first = await asyncio.to_thread(run_cli, "migrate", "--config", str(config))
     second = await asyncio.to_thread(run_cli, "migrate", "--config", str(config))
     assert first.returncode == 0 and "applied: [1]" in first.stdout, first.stderr
+    assert "records: daily partitions" in first.stdout
     assert second.returncode == 0 and "applied: none" in second.stdout
     conn = await asyncpg.connect(empty_db)
     try:
         assert await conn.fetchval("SELECT max(version) FROM idemproxy_schema") == len(MIGRATIONS)
         assert await conn.fetchval("SELECT to_regclass('idemproxy_records') IS NOT NULL")
+        assert await conn.fetchval("SELECT relkind::text FROM pg_class WHERE relname = 'idemproxy_records'") == "p"
     finally:
         await conn.close()
 

@@ -128,6 +128,10 @@ def test_sizes(text: Any, size: int) -> None:
          "idempotency.in_flight_status: 429 is not one of 409, 425, 202"),
         ({"upstream": UP, "routes": [{"prefix": "/a", "mismatch_status": 418}]},
          "routes[0].mismatch_status: 418 is not one of 422, 409, 400"),
+        ({"upstream": UP, "storage": {"postgres": {"partitions": "hourly"}}},
+         "storage.postgres.partitions: 'hourly' is not one of daily, none"),
+        ({"upstream": UP, "storage": {"postgres": {}, "redis": {"cluster": "maybe"}}},
+         "storage.redis.cluster: 'maybe' is not a boolean"),
     ],
 )
 def test_bad_configs_name_the_key_and_value(raw: dict[str, Any], expected: str) -> None:
@@ -162,6 +166,18 @@ def test_gateway_keys_and_their_defaults() -> None:
     plain = yaml.safe_load(dump_yaml(config))
     assert plain["routes"][0]["upstream"]["url"] == "http://fast:1" and "upstream" not in plain["routes"][1]
     assert plain["forwarded"]["trusted_proxies"] == ["10.0.0.0/8", "2001:db8::1/128"]
+
+
+def test_storage_at_scale_keys_and_their_defaults() -> None:
+    config = load_config({"upstream": UP, "storage": {"postgres": {}, "redis": {}}}, env={})
+    assert config.storage.postgres is not None and config.storage.postgres.partitions == "daily"
+    assert config.storage.redis is not None and config.storage.redis.cluster is False
+    config = load_config({"upstream": UP, "storage": {"postgres": {"partitions": "none"},
+                                                      "redis": {"cluster": True}}}, env={})
+    assert config.storage.postgres is not None and config.storage.postgres.partitions == "none"
+    assert config.storage.redis is not None and config.storage.redis.cluster is True
+    plain = yaml.safe_load(dump_yaml(config))
+    assert plain["storage"]["postgres"]["partitions"] == "none" and plain["storage"]["redis"]["cluster"] is True
 
 
 def test_top_level_upstream_timeout_is_checked_only_against_routes_using_it() -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import pytest
 
-from tests.conftest import BACKENDS, ProxyFactory, RunningProxy
+from tests.conftest import BACKENDS, ProxyFactory, RunningProxy, empty_records
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream
 
@@ -412,8 +414,12 @@ async def test_metrics_label_routes_and_outcomes(make_proxy: ProxyFactory, upstr
     assert "idemproxy_in_flight_requests 0.0" in text
 
 
-async def test_sweeper_counts_removed_records(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
-    proxy = await make_proxy(upstream={"timeout": "100ms"}, idempotency={"lease": "2100ms", "ttl": "2100ms"})
+async def test_sweeper_counts_removed_records(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_one_table_dsn: str
+) -> None:
+    one_table = {"postgres": {"dsn": await empty_records(pg_one_table_dsn), "partitions": "none"}}
+    proxy = await make_proxy(storage_section=one_table, upstream={"timeout": "100ms"},
+                             idempotency={"lease": "2100ms", "ttl": "2100ms"})
     for key in ("sw1", "sw2"):
         await proxy.post("/v1/charges", key=key, body=CHARGE)
     tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
@@ -423,6 +429,24 @@ async def test_sweeper_counts_removed_records(make_proxy: ProxyFactory, upstream
     assert await proxy.proxy.sweep_once() == 2
     assert await proxy.proxy.store.get(tenant, "sw1") is None
     assert "idemproxy_records_expired_total 2.0" in proxy.proxy.metrics.render().decode()
+
+
+async def test_sweeper_drops_passed_days_of_the_daily_layout(make_proxy: ProxyFactory, clean_pg: str) -> None:
+    from idemproxy.store.postgres import create_partition
+
+    proxy = await make_proxy("postgres")
+    conn = await asyncpg.connect(clean_pg)
+    try:
+        yesterday = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date - 1")
+        await create_partition(conn, yesterday)
+        await conn.fetchrow("SELECT * FROM idemproxy_claim('t', 'old', 'f', 'tok', 1, 1, $1)",
+                            datetime.combine(yesterday, datetime.min.time(), UTC))
+        await proxy.proxy.sweep_once()
+        assert await conn.fetchval("SELECT count(*) FROM idemproxy_records WHERE key = 'old'") == 0
+        assert await conn.fetchval("SELECT to_regclass($1)", f"idemproxy_records_p{yesterday:%Y%m%d}") is None
+    finally:
+        await conn.close()
+    assert "idemproxy_partitions_dropped_total 1.0" in proxy.proxy.metrics.render().decode()
 
 
 # ------------------------------------------------------------------------------ review regressions

@@ -40,6 +40,20 @@ def section(pg: str, redis_url: str, prefix: str, **redis: object) -> dict[str, 
             "redis": {"url": redis_url, "key_prefix": prefix, **redis}}
 
 
+async def test_a_claim_script_sent_twice_owns_its_own_lock(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    """The client retries a script whose reply was lost with the connection: finding its own lock, the claim must
+    not answer 409 in_flight against itself (a Redis Cluster failover made this happen)."""
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    store = fronted(proxy)
+    keys = redis_keys(proxy, "twice")
+    first = await store._claim_script(keys=keys, args=["tok " + "f" * 64, 60000])
+    again = await store._claim_script(keys=keys, args=["tok " + "f" * 64, 60000])
+    other = await store._claim_script(keys=keys, args=["other " + "f" * 64, 60000])
+    assert (first[0], again[0], other[0]) == (b"acquired", b"acquired", b"in_flight")
+
+
 async def test_a_lock_with_another_fingerprint_never_answers_422(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
 ) -> None:

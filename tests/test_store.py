@@ -12,15 +12,22 @@ import pytest
 
 from idemproxy.config import load_config
 from idemproxy.store import State, Store, StoredResponse, build_store
-from tests.conftest import BACKENDS, StorageFactory
+from tests.conftest import BACKENDS, StorageFactory, empty_records
 
 FP, OTHER_FP = "f" * 64, "0" * 64
 OK = StoredResponse(status=201, headers=(("Content-Type", "application/json"), ("X-A", "1")), body=b'{"id": 1}')
 
 
-@pytest.fixture(params=BACKENDS)
-async def store(request: pytest.FixtureRequest, storage: StorageFactory) -> AsyncIterator[Store]:
-    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": storage(request.param)})
+ONE_TABLE = "postgres-one-table"  # `partitions: none`: today's single table; the others run on daily partitions
+
+
+@pytest.fixture(params=(*BACKENDS, ONE_TABLE))
+async def store(request: pytest.FixtureRequest, storage: StorageFactory, pg_one_table_dsn: str) -> AsyncIterator[Store]:
+    if request.param == ONE_TABLE:
+        section = {"postgres": {"dsn": await empty_records(pg_one_table_dsn), "partitions": "none"}}
+    else:
+        section = storage(request.param)
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": section})
     backend = build_store(config.storage)
     await backend.open()
     yield backend
@@ -106,7 +113,20 @@ async def test_expired_record_is_claimable_again(store: Store) -> None:
     assert fresh.owned and fresh.replaced_expired and not fresh.took_over
 
 
+def rows_swept(store: Store) -> None:
+    durable = getattr(store, "durable", store)
+    if getattr(durable, "layout", None) == "daily":
+        pytest.skip("daily partitions are dropped whole, not swept by rows: tests/test_partitions.py")
+
+
+async def test_the_layout_is_the_configured_one(store: Store, request: pytest.FixtureRequest) -> None:
+    durable = getattr(store, "durable", store)
+    expected = {"redis": "daily", "postgres": "daily", ONE_TABLE: "none"}.get(request.node.callspec.params["store"])
+    assert getattr(durable, "layout", None) == expected
+
+
 async def test_sweep_removes_expired_records_and_keeps_live_leases(store: Store) -> None:
+    rows_swept(store)
     done = await store.claim("t", "expired", FP, lease=0.1, ttl=0.2)
     await store.complete(done, OK, ttl=0.2)
     await store.claim("t", "leased", FP, lease=30, ttl=0.2)  # TTL over, lease alive: never swept
@@ -119,6 +139,7 @@ async def test_sweep_removes_expired_records_and_keeps_live_leases(store: Store)
 
 
 async def test_sweep_works_in_bounded_batches(store: Store) -> None:
+    rows_swept(store)
     for i in range(5):
         claim = await store.claim("t", f"b{i}", FP, lease=0.05, ttl=0.1)
         await store.complete(claim, OK, ttl=0.1)

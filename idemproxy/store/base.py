@@ -209,6 +209,10 @@ class Store(ABC):
     async def sweep(self, limit: int) -> int:
         """Delete up to ``limit`` expired records, never an IN_FLIGHT one whose lease is alive."""
 
+    async def maintain(self) -> object | None:
+        """Housekeeping beyond row sweeping (PostgreSQL's daily partitions); None when there is none to do."""
+        return None
+
     @abstractmethod
     async def health(self) -> Health:
         """Ask the backend whether it answers."""

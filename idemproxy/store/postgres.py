@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from datetime import datetime
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -18,12 +19,14 @@ from idemproxy.store.base import Claim, Health, Record, State, Store, StoredResp
 from idemproxy.store.codec import Codec
 
 log = logging.getLogger("idemproxy.store.postgres")
+T = TypeVar("T")
 
 TABLE = "idemproxy_records"
 NOTIFY_CHANNEL = "idemproxy_changed"
 # Arbitrary constants naming our advisory locks (pg_advisory_lock takes a bigint).
 MIGRATION_LOCK = 0x1DE4_0001
 SWEEP_LOCK = 0x1DE4_0002
+MAINTAIN_LOCK = 0x1DE4_0003  # partition maintenance: session-level, held across its DDL transactions
 OPERATION_TIMEOUT = 5.0  # seconds: a hung database must become a 503, never a hung request
 
 MIGRATIONS: tuple[str, ...] = (
@@ -98,11 +101,147 @@ _GET = f"SELECT {_COLUMNS} FROM {TABLE} WHERE tenant = $1 AND key = $2"
 _FORGET = f"DELETE FROM {TABLE} WHERE tenant = $1 AND key = $2"
 
 
+# ---------------------------------------------------------------- the daily-partitioned layout
+#
+# Records live in partitions by *expiry day* (UTC), so a partition is droppable exactly when its day has passed:
+# every record in it has expired. A completion or a replacing claim that moves expires_at moves the row to its new
+# day (PostgreSQL moves rows between partitions on UPDATE). A claim sets expires_at to at least the lease's end,
+# so no in-flight lease outlives its partition. Records beyond the partitions created ahead land in a DEFAULT
+# partition and are moved out when their day's partition is created.
+#
+# Uniqueness of (tenant, key) across partitions. A unique index on a partitioned table must contain the partition
+# key, so (tenant, key, expires_at) would let a claim at 23:59:59.999 (expiring in day D) and a retry at
+# 00:00:00.001 (expiring in day D+1) both insert. Instead every write of a record runs in a function that first
+# takes a transaction-scoped advisory lock on a 64-bit hash of (tenant, key): writers of one key queue on it, and
+# each statement after the lock takes a fresh snapshot (plpgsql, READ COMMITTED), so the lookup across all
+# partitions sees whatever the previous holder committed, whichever day it landed in. The lock is released at
+# commit, which for a single autocommitted SELECT is right after the function returns: still one round trip.
+# A hash collision only makes two unrelated keys queue behind each other. Rejected alternatives: a key-derived
+# partition key (hash partitions cannot be dropped by day), and an unpartitioned key registry (a second table
+# with its own row-by-row expiry: exactly the DELETE traffic partitions are meant to avoid).
+PARTITION_DAYS_AHEAD = 7  # partitions created ahead: TTLs up to a week never touch the default partition
+DEFAULT_PARTITION = f"{TABLE}_pdefault"
+DDL_LOCK_TIMEOUT = "1s"  # partition DDL waits at most this for its lock, so claims never queue behind it long
+
+_KEY_LOCK = "PERFORM pg_advisory_xact_lock(hashtextextended(p_tenant || chr(31) || p_key, 0));"
+_NOTIFY = "IF n > 0 AND p_channel IS NOT NULL THEN PERFORM pg_notify(p_channel, p_payload); END IF;"
+
+PARTITIONED_SCHEMA = f"""
+CREATE TABLE {TABLE} (
+    tenant           text        NOT NULL,
+    key              text        NOT NULL,
+    fingerprint      text        NOT NULL,
+    state            text        NOT NULL CHECK (state IN ('in_flight', 'completed')),
+    lease_token      text,
+    lease_expires_at timestamptz,
+    status           integer,
+    headers          text,
+    body             bytea,
+    body_stored      boolean,
+    claim_kind       text        NOT NULL DEFAULT 'new',
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    completed_at     timestamptz,
+    expires_at       timestamptz NOT NULL
+) PARTITION BY RANGE (expires_at);
+CREATE INDEX {TABLE}_tenant_key ON {TABLE} (tenant, key);
+CREATE TABLE {DEFAULT_PARTITION} PARTITION OF {TABLE} DEFAULT;
+"""
+
+_COMPLETE_ROW = f"""UPDATE {TABLE} SET state = 'completed', status = p_status, headers = p_headers, body = p_body,
+           body_stored = p_body_stored, completed_at = now(), expires_at = now() + make_interval(secs => p_ttl),
+           lease_token = NULL, lease_expires_at = NULL
+     WHERE tenant = p_tenant AND key = p_key AND lease_token = p_token AND state = 'in_flight'"""
+
+PARTITIONED_FUNCTIONS = f"""
+CREATE OR REPLACE FUNCTION idemproxy_claim(
+    p_tenant text, p_key text, p_fp text, p_token text, p_lease double precision, p_ttl double precision,
+    p_now timestamptz DEFAULT NULL)  -- p_now: tests only, to stand at a chosen instant (midnight)
+RETURNS TABLE (rec {TABLE}, owned boolean, db_now timestamptz) LANGUAGE plpgsql AS $$
+DECLARE
+    t timestamptz := coalesce(p_now, now());
+    r {TABLE};
+    kind text;
+BEGIN
+    {_KEY_LOCK}
+    SELECT * INTO r FROM {TABLE} x WHERE x.tenant = p_tenant AND x.key = p_key;
+    IF NOT FOUND THEN
+        kind := 'new';
+    ELSIF (r.expires_at <= t AND NOT (r.state = 'in_flight' AND r.lease_expires_at > t))
+       OR (r.state = 'in_flight' AND r.lease_expires_at <= t AND r.fingerprint = p_fp) THEN
+        kind := CASE WHEN r.state = 'in_flight' AND r.expires_at > t THEN 'takeover' ELSE 'expired' END;
+        DELETE FROM {TABLE} x WHERE x.tenant = p_tenant AND x.key = p_key;
+    ELSE
+        RETURN QUERY SELECT r, false, t;
+        RETURN;
+    END IF;
+    INSERT INTO {TABLE} (tenant, key, fingerprint, state, lease_token, lease_expires_at, claim_kind,
+                         created_at, expires_at)
+    VALUES (p_tenant, p_key, p_fp, 'in_flight', p_token, t + make_interval(secs => p_lease), kind, t,
+            t + make_interval(secs => greatest(p_ttl, p_lease)))
+    RETURNING * INTO r;
+    RETURN QUERY SELECT r, true, t;
+END $$;
+
+CREATE OR REPLACE FUNCTION idemproxy_complete(
+    p_tenant text, p_key text, p_token text, p_status integer, p_headers text, p_body bytea,
+    p_body_stored boolean, p_ttl double precision, p_expires timestamptz, p_channel text DEFAULT NULL,
+    p_payload text DEFAULT NULL)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE n integer;
+BEGIN
+    {_KEY_LOCK}
+    -- p_expires, the expires_at the claim returned, prunes the UPDATE to that day's partition (measured: a third
+    -- of the statement's cost). Only a missing match pays for looking through every partition.
+    {_COMPLETE_ROW} AND expires_at BETWEEN p_expires - interval '1 second' AND p_expires + interval '1 second';
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n = 0 THEN
+        {_COMPLETE_ROW};
+        GET DIAGNOSTICS n = ROW_COUNT;
+    END IF;
+    {_NOTIFY}
+    RETURN n;
+END $$;
+
+CREATE OR REPLACE FUNCTION idemproxy_release(
+    p_tenant text, p_key text, p_token text, p_channel text DEFAULT NULL, p_payload text DEFAULT NULL)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE n integer;
+BEGIN
+    {_KEY_LOCK}
+    DELETE FROM {TABLE} WHERE tenant = p_tenant AND key = p_key AND lease_token = p_token;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    {_NOTIFY}
+    RETURN n;
+END $$;
+
+CREATE OR REPLACE FUNCTION idemproxy_forget(
+    p_tenant text, p_key text, p_channel text DEFAULT NULL, p_payload text DEFAULT NULL)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE n integer;
+BEGIN
+    {_KEY_LOCK}
+    DELETE FROM {TABLE} WHERE tenant = p_tenant AND key = p_key;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    {_NOTIFY}
+    RETURN n;
+END $$;
+"""
+
+_P_CLAIM = "SELECT (c.rec).*, c.owned, c.db_now FROM idemproxy_claim($1, $2, $3, $4, $5, $6) AS c"
+_P_CHANGE = {
+    "complete": "SELECT idemproxy_complete($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+    "release": "SELECT idemproxy_release($1, $2, $3, $4, $5)",
+    "forget": "SELECT idemproxy_forget($1, $2, $3, $4)",
+}
+
+
 def _counted(statement: str, params: int, notify: bool) -> str:
     """``statement`` returning how many rows it changed; with ``notify``, it also NOTIFYs once per changed
     row (parameters ``$params+1``, ``$params+2``: channel and payload), in the same round trip."""
     per_row = f"pg_notify(${params + 1}, ${params + 2})" if notify else "1"
     return f"WITH changed AS ({statement} RETURNING 1) SELECT count(*) FROM (SELECT {per_row} FROM changed) AS c"
+
+
 # Bounded batch; SKIP LOCKED keeps the sweeper off rows a claim is updating right now.
 _SWEEP = f"""
 DELETE FROM {TABLE} WHERE ctid IN (
@@ -111,6 +250,10 @@ DELETE FROM {TABLE} WHERE ctid IN (
        AND NOT (state = 'in_flight' AND lease_expires_at > now())
      LIMIT $1 FOR UPDATE SKIP LOCKED)
 """
+
+# The daily layout deletes row by row only in the default partition (records beyond the partitions created ahead,
+# or left over from before a conversion): normally empty.
+_SWEEP_DEFAULT = _SWEEP.replace(TABLE, DEFAULT_PARTITION)
 
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
 # The request's own data was refused (a value too long to index, say): permanent, so never "unavailable".
@@ -162,8 +305,132 @@ async def _first(*waits: Any) -> None:
             task.cancel()
 
 
-async def migrate(conn: Any) -> list[int]:
-    """Apply the missing migrations under an advisory lock (safe when replicas start together)."""
+def _partition_name(day: date) -> str:
+    return f"{TABLE}_p{day:%Y%m%d}"
+
+
+def _midnight(day: date) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=UTC)
+
+
+async def layout(conn: Any) -> str | None:
+    """The records table as it is: ``daily`` (partitioned), ``none`` (one table), or None (no schema yet)."""
+    kind = await conn.fetchval("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)", TABLE)
+    return None if kind is None else ("daily" if kind == "p" else "none")
+
+
+async def _db_today(conn: Any) -> date:
+    today: date = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+    return today
+
+
+async def _partitions(conn: Any) -> list[str]:
+    rows = await conn.fetch(
+        "SELECT c.relname::text AS name FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+        "WHERE i.inhparent = to_regclass($1) ORDER BY 1", TABLE,
+    )
+    return [row["name"] for row in rows]
+
+
+async def create_partition(conn: Any, day: date) -> bool:
+    """Create the partition of records expiring on ``day`` (UTC) unless it exists; True when created.
+
+    Rows of that day already in the default partition are moved into it first (ATTACH would refuse otherwise).
+    The default partition is locked meanwhile, so no claim can miss a row in transit; it is normally empty."""
+    name = _partition_name(day)
+    if await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", name):
+        return False
+    low, high = _midnight(day), _midnight(day + timedelta(days=1))
+    async with conn.transaction():
+        await conn.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
+        await conn.execute(f"CREATE TABLE {name} (LIKE {TABLE} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)")
+        await conn.execute(f"LOCK TABLE {DEFAULT_PARTITION} IN ACCESS EXCLUSIVE MODE")
+        await conn.execute(
+            f"WITH moved AS (DELETE FROM {DEFAULT_PARTITION} WHERE expires_at >= $1 AND expires_at < $2 "
+            f"RETURNING {_COLUMNS}) INSERT INTO {name} ({_COLUMNS}) SELECT {_COLUMNS} FROM moved", low, high,
+        )
+        await conn.execute(
+            f"ALTER TABLE {TABLE} ATTACH PARTITION {name} "
+            f"FOR VALUES FROM ('{low.isoformat()}') TO ('{high.isoformat()}')"
+        )
+    return True
+
+
+@dataclass(frozen=True)
+class Maintenance:
+    """What one partition maintenance pass did."""
+
+    created: tuple[str, ...]
+    dropped: tuple[str, ...]
+    rows_dropped: int  # estimated (pg_class.reltuples): counting would read the whole partition
+    partitions: int  # daily partitions standing afterwards
+
+
+async def maintain_partitions(conn: Any, today: date | None = None) -> Maintenance:
+    """Create the partitions of today and the next PARTITION_DAYS_AHEAD days; drop every partition whose day has
+    passed (each record in it has expired: expires_at < its day's end <= now). Run by one replica at a time.
+
+    A step that cannot get its lock within DDL_LOCK_TIMEOUT (a long transaction holds the table) is skipped with
+    a warning and tried again at the next pass: it is not a store failure."""
+    today = today or await _db_today(conn)
+    days = [today + timedelta(days=n) for n in range(PARTITION_DAYS_AHEAD + 1)]
+    created = [
+        _partition_name(day) for day in days
+        if await _in_time(create_partition(conn, day), f"create {_partition_name(day)}")
+    ]
+    dropped: list[str] = []
+    rows = 0
+    for name in await _partitions(conn):
+        if name == DEFAULT_PARTITION or name >= _partition_name(today):  # names sort as their days
+            continue
+        estimate = await _in_time(_drop_partition(conn, name), f"drop {name}")
+        if estimate is not None:
+            rows += estimate
+            dropped.append(name)
+    standing = sum(1 for name in await _partitions(conn) if name != DEFAULT_PARTITION)
+    return Maintenance(tuple(created), tuple(dropped), rows, standing)
+
+
+async def _drop_partition(conn: Any, name: str) -> int:
+    """DROP one partition; returns its estimated row count (pg_class.reltuples: counting would read it all)."""
+    async with conn.transaction():
+        # DROP of a partition locks the parent briefly; the timeout keeps claims from queueing behind a DROP that
+        # itself waits on a long transaction.
+        await conn.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
+        rows = await conn.fetchval("SELECT reltuples FROM pg_class WHERE oid = $1::regclass", name)
+        await conn.execute(f"DROP TABLE {name}")
+    return int(max(rows, 0))
+
+
+async def _in_time(step: Awaitable[T], what: str) -> T | None:
+    try:
+        return await step
+    except asyncpg.LockNotAvailableError:
+        log.warning("partition maintenance: %s waited over %s for its lock; retried at the next sweep",
+                    what, DDL_LOCK_TIMEOUT)
+        return None
+
+
+async def _convert_to_daily(conn: Any) -> None:
+    """Turn the single table into the daily-partitioned one, in one transaction: every record is copied exactly
+    once (writers are locked out until commit, then see the new table), and the old table is dropped."""
+    old = f"{TABLE}_unpartitioned"
+    async with conn.transaction():
+        await conn.execute(f"LOCK TABLE {TABLE} IN ACCESS EXCLUSIVE MODE")
+        await conn.execute(f"ALTER TABLE {TABLE} RENAME TO {old}")
+        await conn.execute(PARTITIONED_SCHEMA)
+        today = await _db_today(conn)
+        await maintain_partitions(conn, today)  # records that expired before today go to default, swept by rows
+        copied = await conn.execute(f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT {_COLUMNS} FROM {old}")
+        await conn.execute(f"DROP TABLE {old}")
+    log.warning("converted %s to daily partitions (%s records)", TABLE, copied.split()[-1])
+
+
+async def migrate(conn: Any, partitions: str = "daily", *, convert: bool = True) -> list[int]:
+    """Apply the missing migrations under an advisory lock (safe when replicas start together).
+
+    With ``partitions`` daily, a new (or empty) single table becomes partitioned; one holding records is converted
+    only when ``convert`` (``idemproxy migrate``), never by a replica starting up. ``none`` keeps one table."""
     applied: list[int] = []
     await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK)
     try:
@@ -180,9 +447,26 @@ async def migrate(conn: Any) -> list[int]:
                 await conn.execute("INSERT INTO idemproxy_schema (version) VALUES ($1)", version)
             applied.append(version)
             log.info("applied schema migration %d", version)
+        await _apply_layout(conn, partitions, convert)
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK)
     return applied
+
+
+async def _apply_layout(conn: Any, partitions: str, convert: bool) -> None:
+    current = await layout(conn)
+    if partitions == "daily" and current == "none":
+        if convert or not await conn.fetchval(f"SELECT EXISTS (SELECT 1 FROM {TABLE})"):
+            await _convert_to_daily(conn)
+            current = "daily"
+        else:
+            log.warning("storage.postgres.partitions is daily but %s is one table holding records: it stays so "
+                        "until `idemproxy migrate` converts it", TABLE)
+    elif partitions == "none" and current == "daily":
+        log.warning("storage.postgres.partitions is none but %s is partitioned: partitions are kept (there is "
+                    "no conversion back)", TABLE)
+    if current == "daily":
+        await conn.execute(PARTITIONED_FUNCTIONS)  # CREATE OR REPLACE: a newer version's functions win
 
 
 async def connect_with_retries(
@@ -216,6 +500,7 @@ class PostgresStore(Store):
         self._listen_task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self.statements = 0  # statements sent, for diagnostics and the round-trip budget tests
+        self.layout = "none"  # as found at open: "daily" (partitioned, functions) or "none" (one table)
 
     async def _init_connection(self, conn: Any) -> None:
         conn.add_query_logger(self._count_statement)
@@ -233,9 +518,10 @@ class PostgresStore(Store):
             ),
             "PostgreSQL",
         )
-        if self.config.migrate == "auto":
-            async with self._pool.acquire() as conn:
-                await migrate(conn)
+        async with self._conn("open") as conn:
+            if self.config.migrate == "auto":
+                await migrate(conn, self.config.partitions, convert=False)
+            self.layout = await layout(conn) or "none"
         if self.listen:
             self._listen_task = asyncio.create_task(self._keep_listening(), name="idemproxy-pg-listen")
 
@@ -315,8 +601,14 @@ class PostgresStore(Store):
 
     async def _change(self, operation: str, statement: str, *args: Any) -> bool:
         """Run a fenced write; True when it changed the record (and then woke LISTENing waiters)."""
-        sql = _counted(statement, len(args), self.listen)
-        notify = (NOTIFY_CHANNEL, self.watchers.message(args[0], args[1])) if self.listen else ()
+        notify: tuple[str | None, ...] = (
+            (NOTIFY_CHANNEL, self.watchers.message(args[0], args[1])) if self.listen else ()
+        )
+        if self.layout == "daily":
+            sql = _P_CHANGE[operation]
+            notify = notify or (None, None)
+        else:
+            sql = _counted(statement, len(args), self.listen)
         async with self._conn(operation) as conn:
             changed: int = await conn.fetchval(sql, *args, *notify)
         return changed == 1
@@ -326,13 +618,15 @@ class PostgresStore(Store):
         token: str | None = None,
     ) -> Claim:
         token = token or new_token()
-        async with self._conn("claim") as conn:
-            for _ in range(5):  # see the race described at _CLAIM
-                row = await conn.fetchrow(_CLAIM, tenant, key, fingerprint, token, lease, ttl)
-                if row is not None:
-                    break
-            else:
-                raise StoreUnavailable("The idempotency store could not settle a claim.")
+        try:
+            row = await self._claim(tenant, key, fingerprint, token, lease, ttl)
+        except StoreUnavailable as exc:
+            # `idemproxy migrate` converted the table under this running replica: ON CONFLICT (tenant, key) finds
+            # no unique index on the partitioned table. Learn the new layout and claim again, once.
+            if self.layout != "none" or not isinstance(exc.__cause__, asyncpg.InvalidColumnReferenceError):
+                raise
+            await self._refresh_layout()
+            row = await self._claim(tenant, key, fingerprint, token, lease, ttl)
         owned = bool(row["owned"])
         return Claim(
             record=_record(row, self.codec),
@@ -342,12 +636,29 @@ class PostgresStore(Store):
             replaced_expired=owned and row["claim_kind"] == "expired",
         )
 
+    async def _claim(self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float) -> Any:
+        statement = _P_CLAIM if self.layout == "daily" else _CLAIM
+        async with self._conn("claim") as conn:
+            for _ in range(5):  # see the race described at _CLAIM
+                row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
+                if row is not None:
+                    return row
+        raise StoreUnavailable("The idempotency store could not settle a claim.")
+
+    async def _refresh_layout(self) -> None:
+        async with self._conn("open") as conn:
+            found = await layout(conn) or "none"
+        if found != self.layout:
+            log.warning("%s is now %s; following it", TABLE, "partitioned" if found == "daily" else "one table")
+            self.layout = found
+
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         tenant, key, token = claim.record.tenant, claim.record.key, claim.token
         headers, body = self.codec.to_columns(tenant, key, response.headers, response.body)
+        where = (datetime.fromtimestamp(claim.record.expires_at, UTC),) if self.layout == "daily" else ()
         return await self._change(
             "complete", _COMPLETE, tenant, key, token, response.status, headers,
-            body, response.body is not None, ttl,
+            body, response.body is not None, ttl, *where,
         )
 
     async def release(self, claim: Claim) -> bool:
@@ -368,12 +679,39 @@ class PostgresStore(Store):
         return self._listener is not None and not self._listener.is_closed()
 
     async def sweep(self, limit: int) -> int:
-        """One batch, by one replica at a time (a transaction-scoped advisory lock)."""
+        """One batch of expired rows deleted, by one replica at a time (a transaction-scoped advisory lock).
+
+        In the daily layout only the default partition is swept by rows; whole days go by :meth:`maintain`.
+        The layout is looked up again first: the single-table DELETE by ctid, run on a partitioned table, would
+        match rows of every partition that share a ctid."""
         async with self._conn("sweep") as conn, conn.transaction():
             if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", SWEEP_LOCK):
                 return 0
-            result = await conn.execute(_SWEEP, limit)
+            self.layout = await layout(conn) or self.layout
+            result = await conn.execute(_SWEEP_DEFAULT if self.layout == "daily" else _SWEEP, limit)
         return int(result.split()[-1])
+
+    async def maintain(self) -> Maintenance | None:
+        """Partition maintenance (daily layout): create ahead, drop expired days; one replica at a time (a
+        session-level advisory lock, released before the connection goes back to the pool). None when another
+        replica holds the lock or the layout has no partitions."""
+        if self.layout != "daily":
+            return None
+        async with self._conn("maintain") as conn:
+            if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", MAINTAIN_LOCK):
+                return None
+            try:
+                done = await maintain_partitions(conn)
+            finally:
+                await conn.execute("SELECT pg_advisory_unlock($1)", MAINTAIN_LOCK)
+        for name in done.created:
+            log.info("created partition %s", name)
+        for name in done.dropped:
+            log.info("dropped partition %s (about %d records, all expired)", name, done.rows_dropped)
+        if self.metrics is not None:
+            self.metrics.partitions_dropped.inc(len(done.dropped))
+            self.metrics.partitions.set(done.partitions)
+        return done
 
     async def clock(self) -> float:
         async with self._conn("clock") as conn:
@@ -388,12 +726,14 @@ class PostgresStore(Store):
         return Health(ready=True, details={"postgres": "ok"})
 
 
-async def apply_migrations(config: PostgresConfig) -> list[int]:
-    """``idemproxy migrate``: one connection, the migrations, done (safe to run twice)."""
+async def apply_migrations(config: PostgresConfig) -> tuple[list[int], str]:
+    """``idemproxy migrate``: one connection, the migrations and the layout (a single table holding records is
+    converted to daily partitions when so configured), done (safe to run twice). Returns (applied, layout)."""
     conn = await connect_with_retries(
         lambda: asyncpg.connect(config.dsn.reveal(), timeout=OPERATION_TIMEOUT), "PostgreSQL"
     )
     try:
-        return await migrate(conn)
+        applied = await migrate(conn, config.partitions, convert=True)
+        return applied, await layout(conn) or "none"
     finally:
         await conn.close()

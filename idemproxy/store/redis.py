@@ -8,6 +8,13 @@ store's claim: the Redis lock only keeps most duplicates away from it.
 When Redis errors, the store behaves as if Redis said "unknown" and asks the durable store directly; a
 circuit breaker then skips Redis for a short while so an outage costs one failed attempt, not one per request.
 All keys of one (tenant, key) share a hash tag so Redis Cluster keeps them in one slot.
+
+With ``cluster: true`` the client is redis-py's cluster client: it learns the slot map from the node the url
+names, follows MOVED/ASK, and re-reads the map after a failover. Every script touches the keys of one (tenant,
+key) only, so each runs on the one master of that slot. Notifications stay classic PUBLISH (from inside the
+scripts): Redis Cluster broadcasts a classic PUBLISH to every node, so the subscriber listens on any one node and
+moves to the next when that node is lost. Sharded pub/sub (SPUBLISH) would spare that broadcast, but a script may
+only SPUBLISH to a channel in its own slot: one channel per slot, and a subscriber per master.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
 
 from idemproxy.config import RedisConfig
 from idemproxy.metrics import Metrics
@@ -65,12 +75,16 @@ SUBSCRIBER_LIVE_WINDOW = 2.5  # seconds without a message or pong after which no
 #
 # KEYS: lock, response, epoch. ARGV: "token fingerprint lease-end-ms", lock ttl ms, a fresh epoch, epoch ttl ms.
 # Returns {"completed", payload} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
+# Idempotent: the client may send it again after a connection broke with the reply in flight (redis-py retries on
+# connection errors; the cluster client does so across a failover), and the lock it finds is then its own (the
+# token is unique to this claim): acquired, never a 409 against itself.
 _CLAIM = """
 local cached = redis.call('GET', KEYS[2])
 if cached then return {'completed', cached} end
 local epoch = redis.call('GET', KEYS[3])
 if not epoch then epoch = ARGV[3]; redis.call('SET', KEYS[3], epoch, 'PX', ARGV[4]) end
 local lock = redis.call('GET', KEYS[1])
+if lock == ARGV[1] then return {'acquired', epoch} end
 if lock then return {'in_flight', lock, redis.call('PTTL', KEYS[1]), epoch} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return {'acquired', epoch}
@@ -97,9 +111,15 @@ return 1
 """
 UNKNOWN_EPOCH = "?"  # never equals a stored epoch: a writer that never read one may not fill the cache
 
-_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+# RedisClusterException (no node reachable to learn the slot map from) is no RedisError.
+_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 # Also a Redis failure: a value that does not decode (another version's format, a key-prefix collision).
 _FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
+# redis-py's async cluster client can fail with AttributeError/TypeError while a lost node's connections are torn
+# down under commands still using them, or while its slot map is briefly inconsistent (redis/redis-py#3546,
+# #3835; seen here as "'NoneType' object has no attribute 'writelines'" when a master is killed). On a cluster
+# these count as Redis failing too: the durable store answers instead of the request getting a 500.
+_CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError)
 
 
 @dataclass(frozen=True)
@@ -159,14 +179,22 @@ class RedisFrontedStore(Store):
         self.watchers = durable.watchers  # one set of waiters, woken by either notification path
         self.config = config
         self.channel = f"{config.key_prefix}changed"
-        # A pool that waits (briefly) for a free connection: redis-py's default one fails at once past 100, and
-        # a failed unlock leaves a lock behind.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            config.url.reveal(), max_connections=POOL_SIZE, timeout=SOCKET_TIMEOUT,
-            socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
-        )
-        self.redis: Any = aioredis.Redis.from_pool(pool)  # closes the pool with the client
+        if config.cluster:
+            self.redis: Any = RedisCluster.from_url(
+                config.url.reveal(), socket_timeout=SOCKET_TIMEOUT,
+                socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
+            )
+        else:
+            # A pool that waits (briefly) for a free connection: redis-py's default one fails at once past 100,
+            # and a failed unlock leaves a lock behind.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                config.url.reveal(), max_connections=POOL_SIZE, timeout=SOCKET_TIMEOUT,
+                socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
+            )
+            self.redis = aioredis.Redis.from_pool(pool)  # closes the pool with the client
         # Registered once; each call is one EVALSHA (EVAL only after a Redis restart lost the script).
+        self._errors = _CLUSTER_ERRORS if config.cluster else _ERRORS
+        self._fast_errors = _CLUSTER_ERRORS if config.cluster else _FAST_ERRORS
         self._claim_script = self.redis.register_script(_CLAIM)
         self._settle_script = self.redis.register_script(_SETTLE)
         self._forget_script = self.redis.register_script(_FORGET)
@@ -186,7 +214,7 @@ class RedisFrontedStore(Store):
     async def close(self) -> None:
         self._closing.set()
         if self._subscriber is not None:
-            with contextlib.suppress(*_ERRORS):  # wake it now rather than at its next read timeout
+            with contextlib.suppress(*self._errors):  # wake it now rather than at its next read timeout
                 await asyncio.wait_for(self.redis.publish(self.channel, b""), CLOSE_TIMEOUT)
             # The subscriber notices the flag within one read timeout and ends by itself: redis-py's pub/sub
             # read can swallow a cancellation, and a task that outlives its loop hangs the process's exit.
@@ -194,15 +222,31 @@ class RedisFrontedStore(Store):
             if not self._subscriber.done():
                 log.warning("redis subscriber did not stop in time; cancelling it")
                 self._subscriber.cancel()
-        with contextlib.suppress(*_ERRORS):
+        with contextlib.suppress(*self._errors):
             await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT)
         await self.durable.close()
 
+    async def _pubsub(self, attempt: int) -> tuple[Any, Any]:
+        """(client to close, pubsub): on a cluster, a plain connection to one node, the next one at each attempt
+        (a classic PUBLISH reaches every node); otherwise the store's own client."""
+        if not self.config.cluster:
+            return None, self.redis.pubsub(ignore_subscribe_messages=True)
+        await self.redis.initialize()
+        nodes = sorted(self.redis.get_nodes(), key=lambda node: node.name)
+        node = nodes[attempt % len(nodes)]
+        # No retries of its own: redis-py would keep reconnecting to a lost node with backoff (seconds, deaf to
+        # close()); failing at once moves the subscriber to the next node.
+        client = aioredis.Redis(host=node.host, port=node.port, socket_timeout=SOCKET_TIMEOUT,
+                                socket_connect_timeout=SOCKET_TIMEOUT, retry=Retry(NoBackoff(), 0))
+        return client, client.pubsub(ignore_subscribe_messages=True)
+
     async def _subscribe(self) -> None:
         """Deliver completion messages to local waiters; reconnect after Redis comes back; stop on close."""
+        attempt = 0
         while not self._closing.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            client, pubsub = None, None
             try:
+                client, pubsub = await self._pubsub(attempt)
                 await pubsub.subscribe(self.channel)
                 await pubsub.ping()  # its pong proves the subscription is in place
                 resumed = False
@@ -217,12 +261,16 @@ class RedisFrontedStore(Store):
                         self.watchers.notify_all()
                     if message.get("type") == "message" and message["data"]:
                         self.watchers.notify_message(message["data"].decode())
-            except _ERRORS:
+            except self._errors:
+                attempt += 1
                 with contextlib.suppress(TimeoutError):  # back off, but wake at once on close
                     await asyncio.wait_for(self._closing.wait(), BREAKER_COOLDOWN)
             finally:
-                with contextlib.suppress(*_ERRORS):
-                    await pubsub.aclose()
+                with contextlib.suppress(*self._errors):
+                    if pubsub is not None:
+                        await pubsub.aclose()
+                    if client is not None:
+                        await client.aclose()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -245,7 +293,7 @@ class RedisFrontedStore(Store):
         started = time.perf_counter()
         try:
             yield usable
-        except _FAST_ERRORS as exc:
+        except self._fast_errors as exc:
             usable[0] = False
             if self.metrics is not None:
                 self.metrics.store_errors.labels("redis", operation).inc()
@@ -389,7 +437,7 @@ class RedisFrontedStore(Store):
                 keys=self._keys(tenant, key),
                 args=[self.channel, self.watchers.message(tenant, key), new_token(), self._epoch_ms],
             )
-        except _ERRORS as exc:
+        except self._errors as exc:
             if self.metrics is not None:
                 self.metrics.store_errors.labels("redis", "forget").inc()
             raise StoreUnavailable(
@@ -406,11 +454,14 @@ class RedisFrontedStore(Store):
     async def sweep(self, limit: int) -> int:
         return await self.durable.sweep(limit)  # Redis entries expire by their own TTL
 
+    async def maintain(self) -> object | None:
+        return await self.durable.maintain()
+
     async def health(self) -> Health:
         health = await self.durable.health()
         try:
             await asyncio.wait_for(self.redis.ping(), SOCKET_TIMEOUT * 2)
             health.details["redis"] = "ok"
-        except _ERRORS:
+        except self._errors:
             health.details["redis"] = "unavailable (degraded: served from PostgreSQL alone, slower)"
         return health

@@ -1,0 +1,299 @@
+"""PostgreSQL daily partitions: uniqueness across a midnight boundary, maintenance, and converting a live table."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idemproxy.config import load_config
+from idemproxy.metrics import Metrics
+from idemproxy.store import State, StoredResponse
+from idemproxy.store.postgres import (
+    DEFAULT_PARTITION,
+    MAINTAIN_LOCK,
+    PARTITION_DAYS_AHEAD,
+    PostgresStore,
+    apply_migrations,
+    create_partition,
+    layout,
+    migrate,
+)
+from tests.conftest import scratch_database
+
+FP = "f" * 64
+OK = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
+CLAIM = "SELECT (c.rec).*, c.owned FROM idemproxy_claim($1, $2, $3, $4, $5, $6, $7) AS c"
+
+
+@pytest.fixture
+def db(pg_admin_dsn: str) -> Iterator[str]:
+    with scratch_database(pg_admin_dsn, "idemproxy_part") as dsn:
+        yield dsn
+
+
+def store_on(dsn: str, partitions: str = "daily", metrics: Metrics | None = None) -> PostgresStore:
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"},
+                          "storage": {"postgres": {"dsn": dsn, "pool_min": 1, "pool_max": 10,
+                                                   "partitions": partitions}}})
+    assert config.storage.postgres is not None
+    return PostgresStore(config.storage.postgres, metrics)
+
+
+@pytest.fixture
+async def store(db: str) -> AsyncIterator[PostgresStore]:
+    backend = store_on(db)
+    await backend.open()
+    yield backend
+    await backend.close()
+
+
+async def connect(dsn: str) -> Any:
+    return await asyncpg.connect(dsn)
+
+
+def partition(day: date) -> str:
+    return f"idemproxy_records_p{day:%Y%m%d}"
+
+
+async def partitions(conn: Any) -> set[str]:
+    rows = await conn.fetch("SELECT inhrelid::regclass::text AS name FROM pg_inherits "
+                            "WHERE inhparent = 'idemproxy_records'::regclass")
+    return {row["name"] for row in rows}
+
+
+async def where(conn: Any, tenant: str, key: str) -> list[str]:
+    """The partitions holding (tenant, key): exactly one when all is well."""
+    rows = await conn.fetch("SELECT tableoid::regclass::text AS part FROM idemproxy_records "
+                            "WHERE tenant = $1 AND key = $2", tenant, key)
+    return [row["part"] for row in rows]
+
+
+async def test_a_new_schema_is_partitioned_by_expiry_day_created_ahead(store: PostgresStore, db: str) -> None:
+    conn = await connect(db)
+    try:
+        today = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+        assert await layout(conn) == "daily"
+        expected = {partition(today + timedelta(days=n)) for n in range(PARTITION_DAYS_AHEAD + 1)}
+        assert await partitions(conn) == expected | {DEFAULT_PARTITION}
+        claim = await store.claim("t", "k", FP, lease=30, ttl=2 * 86400)
+        assert await where(conn, "t", "k") == [partition(today + timedelta(days=2))]
+        assert await store.complete(claim, OK, ttl=3 * 86400)  # the completion's TTL moves it to its new day
+        assert await where(conn, "t", "k") == [partition(today + timedelta(days=3))]
+        assert (await store.claim("t", "k", FP, lease=30, ttl=60)).record.response == OK
+    finally:
+        await conn.close()
+
+
+async def test_a_completion_finds_its_record_even_where_the_claim_did_not_leave_it(store: PostgresStore) -> None:
+    """complete() looks in the claim's expiry day first; a record elsewhere (moved out of the default partition,
+    or a caller with a guessed expiry) is still found, and the fence still holds."""
+    claim = await store.claim("t", "moved", FP, lease=30, ttl=60)
+    elsewhere = replace(claim, record=replace(claim.record, expires_at=claim.record.expires_at + 3 * 86400))
+    stranger = replace(elsewhere, record=replace(elsewhere.record, lease_token="not-the-owner"))
+    assert not await store.complete(stranger, OK, ttl=60)
+    assert await store.complete(elsewhere, OK, ttl=60)
+    assert (await store.claim("t", "moved", FP, lease=30, ttl=60)).record.response == OK
+
+
+async def test_a_claim_racing_one_from_before_midnight_waits_and_sees_it(store: PostgresStore, db: str) -> None:
+    """A claim at 23:59:59.999 (its record expiring in day D) and a retry at 00:00:00.001 (expiring in day D+1)
+    would land in different partitions, where no unique index can see both: the second must wait for the first
+    and then see its record, never insert its own."""
+    first, second = await connect(db), await connect(db)
+    try:
+        midnight = datetime.combine(await first.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date"),
+                                    datetime.min.time(), UTC) + timedelta(days=1)
+        before, after = midnight - timedelta(milliseconds=1), midnight + timedelta(milliseconds=1)
+        transaction = first.transaction()
+        await transaction.start()
+        mine = await first.fetchrow(CLAIM, "t", "midnight", FP, "token-a", 30.0, 86400.0, before)
+        assert mine["owned"]
+        racing = asyncio.ensure_future(second.fetchrow(CLAIM, "t", "midnight", FP, "token-b", 30.0, 86400.0, after))
+        await asyncio.sleep(0.5)
+        assert not racing.done(), "the second claim did not wait for the first: both may own the key"
+        await transaction.commit()
+        theirs = await asyncio.wait_for(racing, 5)
+        assert not theirs["owned"] and theirs["lease_token"] == "token-a"
+        assert await where(first, "t", "midnight") == [partition(midnight.date())]
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_many_claims_straddling_midnight_have_one_owner_per_key(store: PostgresStore, db: str) -> None:
+    conn = await connect(db)
+    pool = await asyncpg.create_pool(db, min_size=10, max_size=10)
+    try:
+        midnight = datetime.combine(await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date"),
+                                    datetime.min.time(), UTC) + timedelta(days=1)
+        instants = (midnight - timedelta(milliseconds=1), midnight + timedelta(milliseconds=1))
+
+        async def claim(key: str, at: datetime, token: str) -> bool:
+            async with pool.acquire() as c:
+                return bool((await c.fetchrow(CLAIM, "t", key, FP, token, 30.0, 86400.0, at))["owned"])
+
+        keys = [f"k{i}" for i in range(100)]
+        owned = await asyncio.gather(*(claim(k, at, f"{k}-{n}") for k in keys for n, at in enumerate(instants)))
+        assert sum(owned) == len(keys)
+        counts = await conn.fetch("SELECT key, count(*) AS n FROM idemproxy_records GROUP BY key")
+        assert {row["key"]: row["n"] for row in counts} == dict.fromkeys(keys, 1)
+    finally:
+        await pool.close()
+        await conn.close()
+
+
+async def test_maintenance_drops_expired_days_whole_and_keeps_today(db: str) -> None:
+    metrics = Metrics()
+    backend = store_on(db, metrics=metrics)
+    await backend.open()
+    conn = await connect(db)
+    try:
+        today = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+        yesterday = today - timedelta(days=1)
+        assert await create_partition(conn, yesterday)
+        at = datetime.combine(yesterday, datetime.min.time(), UTC) + timedelta(hours=1)
+        for i in range(20):
+            await conn.fetchrow(CLAIM, "t", f"old{i}", FP, f"tok{i}", 30.0, 60.0, at)
+        assert len(await where(conn, "t", "old0")) == 1
+        await backend.complete(await backend.claim("t", "live", FP, lease=30, ttl=60), OK, ttl=60)
+
+        done = await backend.maintain()
+        assert done is not None and done.dropped == (partition(yesterday),) and not done.created
+        assert partition(yesterday) not in await partitions(conn)
+        assert await conn.fetchval("SELECT count(*) FROM idemproxy_records WHERE key LIKE 'old%'") == 0
+        assert (await backend.get("t", "live")) is not None
+        text = metrics.render().decode()
+        assert "idemproxy_partitions_dropped_total 1.0" in text
+        assert f"idemproxy_partitions {PARTITION_DAYS_AHEAD + 1}.0" in text
+        again = await backend.maintain()
+        assert again is not None and not again.dropped and not again.created
+    finally:
+        await conn.close()
+        await backend.close()
+
+
+async def test_a_drop_blocked_by_a_long_transaction_waits_for_the_next_pass(store: PostgresStore, db: str) -> None:
+    conn, other = await connect(db), await connect(db)
+    try:
+        yesterday = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date - 1")
+        assert await create_partition(conn, yesterday)
+        transaction = other.transaction()
+        await transaction.start()
+        await other.execute(f"LOCK TABLE {partition(yesterday)} IN ACCESS SHARE MODE")  # a long reader
+        blocked = await store.maintain()
+        assert blocked is not None and blocked.dropped == ()  # no store error: skipped after the lock timeout
+        assert (await store.claim("t", "meanwhile", FP, lease=30, ttl=60)).owned
+        await transaction.rollback()
+        done = await store.maintain()
+        assert done is not None and done.dropped == (partition(yesterday),)
+    finally:
+        await other.close()
+        await conn.close()
+
+
+async def test_one_replica_at_a_time_maintains(store: PostgresStore, db: str) -> None:
+    other = await connect(db)
+    try:
+        await other.execute("SELECT pg_advisory_lock($1)", MAINTAIN_LOCK)
+        assert await store.maintain() is None
+        await other.execute("SELECT pg_advisory_unlock($1)", MAINTAIN_LOCK)
+        assert await store.maintain() is not None
+    finally:
+        await other.close()
+
+
+async def test_a_record_beyond_the_days_ahead_waits_in_default_then_moves_to_its_day(
+    store: PostgresStore, db: str
+) -> None:
+    conn = await connect(db)
+    try:
+        today = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date")
+        far = PARTITION_DAYS_AHEAD + 3
+        claim = await store.claim("t", "far", FP, lease=30, ttl=far * 86400)
+        assert await store.complete(claim, OK, ttl=far * 86400)
+        assert await where(conn, "t", "far") == [DEFAULT_PARTITION]
+        assert await create_partition(conn, today + timedelta(days=far))
+        assert await where(conn, "t", "far") == [partition(today + timedelta(days=far))]
+        assert (await store.claim("t", "far", FP, lease=30, ttl=60)).record.response == OK
+    finally:
+        await conn.close()
+
+
+async def test_the_default_partition_is_swept_by_rows(store: PostgresStore, db: str) -> None:
+    conn = await connect(db)
+    try:
+        at = datetime.now(UTC) - timedelta(days=30)  # expired long ago: before every partition, so in default
+        await conn.fetchrow(CLAIM, "t", "ancient", FP, "tok", 1.0, 1.0, at)
+        assert await where(conn, "t", "ancient") == [DEFAULT_PARTITION]
+        assert await store.sweep(100) == 1
+        assert await where(conn, "t", "ancient") == []
+    finally:
+        await conn.close()
+
+
+async def test_migrate_converts_a_live_single_table_without_losing_or_duplicating_a_record(db: str) -> None:
+    old = store_on(db, partitions="none")
+    await old.open()
+    assert old.layout == "none"
+    completed = {}
+    for i in range(50):
+        claim = await old.claim("t", f"done{i}", FP, lease=30, ttl=3600)
+        response = StoredResponse(status=201, headers=(("X-N", str(i)),), body=f"body {i}".encode())
+        assert await old.complete(claim, response, ttl=3600)
+        completed[f"done{i}"] = response
+    in_flight = await old.claim("t", "running", FP, lease=30, ttl=3600)
+    expired = await old.claim("t", "stale", FP, lease=0.05, ttl=0.05)
+    await old.complete(expired, OK, ttl=0.05)
+    await asyncio.sleep(0.1)
+
+    # A replica starting with the default (daily) does not convert a table holding records by itself.
+    starting = store_on(db)
+    await starting.open()
+    assert starting.layout == "none"
+    await starting.close()
+
+    applied, shape = await apply_migrations(store_on(db).config)
+    assert (applied, shape) == ([], "daily")
+    # A replica still running on the single table follows the conversion at its next claim.
+    assert (await old.claim("t", "during", FP, lease=30, ttl=3600)).owned and old.layout == "daily"
+    assert not (await old.claim("t", "during", FP, lease=30, ttl=3600)).owned
+    await old.close()
+
+    new = store_on(db)
+    await new.open()
+    conn = await connect(db)
+    try:
+        assert new.layout == "daily" and await layout(conn) == "daily"
+        counts = await conn.fetch("SELECT key, count(*) AS n FROM idemproxy_records GROUP BY key")
+        assert {row["key"]: row["n"] for row in counts} == dict.fromkeys([*completed, "running", "stale", "during"], 1)
+        assert await conn.fetchval("SELECT to_regclass('idemproxy_records_unpartitioned')") is None
+        for key, response in completed.items():
+            replay = await new.claim("t", key, FP, lease=30, ttl=3600)
+            assert not replay.owned and replay.record.response == response
+        standing = await new.claim("t", "running", FP, lease=30, ttl=3600)
+        assert not standing.owned and standing.record.state is State.IN_FLIGHT
+        assert await new.complete(in_flight, OK, ttl=3600)  # the lease token survived the conversion
+        assert (await new.claim("t", "stale", FP, lease=30, ttl=3600)).replaced_expired
+        assert (await new.claim("t", "new-key", FP, lease=30, ttl=3600)).owned
+
+        assert await apply_migrations(new.config) == ([], "daily")  # safe to run twice
+        assert await conn.fetchval("SELECT count(*) FROM idemproxy_records") == len(completed) + 4
+    finally:
+        await conn.close()
+        await new.close()
+
+
+async def test_partitions_none_keeps_one_table(db: str) -> None:
+    conn = await connect(db)
+    try:
+        await migrate(conn, "none")
+        assert await layout(conn) == "none"
+        assert await conn.fetchval("SELECT to_regproc('idemproxy_claim')") is None
+    finally:
+        await conn.close()

@@ -1,0 +1,131 @@
+"""Redis Cluster (`storage.redis.cluster: true`) on a real local cluster: slots spread over masters, notifications
+across nodes, and a master killed mid-run (the proxy keeps answering from PostgreSQL, nothing runs twice)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import redis as sync_redis
+
+from idemproxy.config import load_config
+from idemproxy.store import StoredResponse, build_store
+from idemproxy.store.redis import RedisFrontedStore
+from tests.conftest import ProxyFactory
+from tests.servers import RedisClusterServers
+from tests.upstream import RecordingUpstream
+
+FP = "f" * 64
+OK = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
+CHARGE = {"amount": 1000, "currency": "eur"}
+
+
+@pytest.fixture
+def cluster() -> Iterator[RedisClusterServers]:
+    servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000)
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.destroy()
+
+
+def section(cluster: RedisClusterServers, pg_dsn: str) -> dict[str, Any]:
+    return {"postgres": {"dsn": pg_dsn, "pool_min": 1, "pool_max": 10},
+            "redis": {"url": cluster.url, "key_prefix": "cl:", "cluster": True}}
+
+
+@pytest.fixture
+async def stores(cluster: RedisClusterServers, clean_pg: str) -> AsyncIterator[list[RedisFrontedStore]]:
+    opened = []
+    for _ in range(2):
+        config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": section(cluster, clean_pg)})
+        store = build_store(config.storage)
+        assert isinstance(store, RedisFrontedStore)
+        await store.open()
+        opened.append(store)
+    yield opened
+    for store in opened:
+        await store.close()
+
+
+def keys_per_master(cluster: RedisClusterServers) -> dict[int, int]:
+    return {port: int(sync_redis.Redis(port=port).dbsize()) for port in cluster.masters()}
+
+
+async def test_records_spread_over_every_master_and_replay_from_the_cache(
+    stores: list[RedisFrontedStore], cluster: RedisClusterServers
+) -> None:
+    store = stores[0]
+    for i in range(30):
+        claim = await store.claim("t", f"k{i}", FP, lease=30, ttl=60)
+        assert claim.owned
+        assert await store.complete(claim, OK, ttl=60)
+    spread = keys_per_master(cluster)
+    assert len(spread) == 3 and all(count > 0 for count in spread.values()), spread
+    statements = store.durable.statements  # type: ignore[attr-defined]
+    for i in range(30):
+        replay = await store.claim("t", f"k{i}", FP, lease=30, ttl=60)
+        assert not replay.owned and replay.record.response == OK
+    assert store.durable.statements == statements  # type: ignore[attr-defined]  # every replay from Redis
+
+
+async def test_a_completion_wakes_waiters_whichever_node_holds_its_slot(stores: list[RedisFrontedStore]) -> None:
+    first, second = stores
+    await asyncio.sleep(0.3)  # both subscribers listening
+    for i in range(12):  # keys hashed over every master, the subscriber sits on one node
+        claim = await first.claim("t", f"w{i}", FP, lease=30, ttl=60)
+        with second.watch("t", f"w{i}") as changed:
+            await first.complete(claim, OK, ttl=60)
+            await asyncio.wait_for(changed, 2)
+
+
+async def test_a_master_killed_mid_run_costs_speed_never_correctness(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, cluster: RedisClusterServers, clean_pg: str
+) -> None:
+    proxy = await make_proxy(storage_section=section(cluster, clean_pg))
+    rng = random.Random(12)
+    answers: dict[str, list[tuple[int, bytes]]] = {}
+
+    async def client(n: int) -> None:
+        for i in range(30):
+            key = f"c{n}-{i}"
+            for _attempt in range(2):  # a request and its retry
+                resp, body = await proxy.post("/v1/charges", key=key, body=CHARGE)
+                answers.setdefault(key, []).append((resp.status, body))
+                await asyncio.sleep(rng.uniform(0, 0.02))
+
+    async def kill_a_master() -> None:
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(cluster.kill, cluster.masters()[1])
+
+    await asyncio.gather(*(client(n) for n in range(6)), kill_a_master())
+    for key, got in answers.items():
+        assert [status for status, _ in got] == [201, 201], (key, got)
+        assert got[0][1] == got[1][1], key  # the retry is the replay of the one execution
+        assert upstream.count(key=key) == 1, key
+    await asyncio.to_thread(cluster.wait_ok)  # the replica took over: the fast path serves again
+    resp, _ = await proxy.post("/v1/charges", key="after", body=CHARGE)
+    replay, _ = await proxy.post("/v1/charges", key="after", body=CHARGE)
+    assert resp.status == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="after") == 1
+
+
+async def test_the_subscriber_leaves_a_lost_node_and_stops_at_once_on_close(
+    stores: list[RedisFrontedStore], cluster: RedisClusterServers
+) -> None:
+    """redis-py's own reconnect attempts to a lost node (with backoff) kept the subscriber deaf to close()."""
+    store = stores[0]
+    await asyncio.sleep(0.3)
+    listening = sorted(store.redis.get_nodes(), key=lambda node: node.name)[0]  # where attempt 0 subscribes
+    await asyncio.to_thread(cluster.kill, listening.port)
+    await asyncio.sleep(0.5)
+    task = store._subscriber
+    assert task is not None
+    started = asyncio.get_running_loop().time()
+    await store.close()
+    assert task.done() and not task.cancelled()
+    assert asyncio.get_running_loop().time() - started < 1.0
