@@ -48,9 +48,10 @@ async def test_a_claim_script_sent_twice_owns_its_own_lock(
     proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
     store = fronted(proxy)
     keys = redis_keys(proxy, "twice")
-    first = await store._claim_script(keys=keys, args=["tok " + "f" * 64, 60000])
-    again = await store._claim_script(keys=keys, args=["tok " + "f" * 64, 60000])
-    other = await store._claim_script(keys=keys, args=["other " + "f" * 64, 60000])
+    args = ["tok " + "f" * 64 + " 1700000000000", 10_000, "epoch-1", 600_000]  # the same call, sent twice
+    first = await store._claim_script(keys=keys, args=args)
+    again = await store._claim_script(keys=keys, args=args)
+    other = await store._claim_script(keys=keys, args=["other " + "f" * 64 + " 1700000000000", 10_000, "e2", 600_000])
     assert (first[0], again[0], other[0]) == (b"acquired", b"acquired", b"in_flight")
 
 
