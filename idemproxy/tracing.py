@@ -73,7 +73,7 @@ class Tracer:
 
     enabled = False
 
-    def server_span(self, name: str, headers: Mapping[str, str]) -> Span:
+    def server_span(self, method: str, route: str | None, headers: Mapping[str, str]) -> Span:
         """The span of one request, continued from the client's ``traceparent`` in ``headers``."""
         return _NO_SPAN
 
@@ -118,12 +118,16 @@ class _OtelSpan:
 
     __slots__ = ("_manager", "_server", "_span")
 
-    def __init__(self, tracer: OtelTracer, name: str, kind: SpanKind, context: Context | None) -> None:
+    def __init__(
+        self, tracer: OtelTracer, name: str, kind: SpanKind, context: Context | None = None,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> None:
         from opentelemetry.trace import SpanKind
 
         # Exceptions are summarised here (error.type), never recorded with their messages and stacks.
         self._manager = tracer.start_as_current_span(
-            name, context=context, kind=kind, record_exception=False, set_status_on_exception=False
+            name, context=context, kind=kind, attributes=attributes,
+            record_exception=False, set_status_on_exception=False,
         )
         self._server = kind is SpanKind.SERVER
         self._span: OtelSpan | None = None
@@ -175,15 +179,19 @@ class _OtelTracer(Tracer):
         self._tracer = self.provider.get_tracer("idemproxy")
         self._propagator: TextMapPropagator = TraceContextTextMapPropagator()
 
-    def server_span(self, name: str, headers: Mapping[str, str]) -> Span:
+    def server_span(self, method: str, route: str | None, headers: Mapping[str, str]) -> Span:
         from opentelemetry.trace import SpanKind
 
-        return _OtelSpan(self._tracer, name, SpanKind.SERVER, self._propagator.extract(headers))
+        attributes: dict[str, AttributeValue] = {"http.request.method": method}
+        if route:
+            attributes["http.route"] = route
+        name = f"{method} {route}" if route else method
+        return _OtelSpan(self._tracer, name, SpanKind.SERVER, self._propagator.extract(headers), attributes)
 
     def span(self, name: str, *, client: bool = False) -> Span:
         from opentelemetry.trace import SpanKind
 
-        return _OtelSpan(self._tracer, name, SpanKind.CLIENT if client else SpanKind.INTERNAL, None)
+        return _OtelSpan(self._tracer, name, SpanKind.CLIENT if client else SpanKind.INTERNAL)
 
     def inject(self, headers: MutableMapping[str, str]) -> None:
         # Replaces a traceparent the client sent: the upstream's parent is this proxy's forward span.
