@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span as OtelSpan
     from opentelemetry.trace import SpanKind
-    from opentelemetry.trace import Tracer as OtelTracer
+    from opentelemetry.trace import Tracer as ApiTracer
 
 AttributeValue = str | bool | int | float
 HTTP_STATUS = "http.response.status_code"
@@ -90,7 +90,7 @@ class Tracer:
 
 def build_tracer(config: TracingConfig) -> Tracer:
     """The tracer ``config`` asks for; raises :class:`TracingUnavailable` when the SDK is missing."""
-    return _OtelTracer(config) if config.enabled else Tracer()
+    return OtelTracer(config) if config.enabled else Tracer()
 
 
 def require(config: TracingConfig) -> None:
@@ -119,7 +119,7 @@ class _OtelSpan:
     __slots__ = ("_manager", "_server", "_span")
 
     def __init__(
-        self, tracer: OtelTracer, name: str, kind: SpanKind, context: Context | None = None,
+        self, tracer: ApiTracer, name: str, kind: SpanKind, context: Context | None = None,
         attributes: Mapping[str, AttributeValue] | None = None,
     ) -> None:
         from opentelemetry.trace import SpanKind
@@ -157,7 +157,7 @@ class _OtelSpan:
             self._span.set_status(StatusCode.ERROR)
 
 
-class _OtelTracer(Tracer):
+class OtelTracer(Tracer):
     """Tracing on: spans through a provider of this proxy's own; W3C TraceContext in and out."""
 
     enabled = True
