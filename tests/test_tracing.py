@@ -148,6 +148,19 @@ async def test_a_passthrough_request_is_traced_and_propagated(
         TRACE_ID, spans["idemproxy.forward"].context.span_id)
 
 
+async def test_a_client_that_does_not_sample_is_not_recorded_but_still_propagated(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy, exporter = await traced(make_proxy)
+    resp, _ = await proxy.post("/v1/charges", key="k-1", body={"amount": 1},
+                               headers={"traceparent": f"00-{TRACE_ID:032x}-{CLIENT_SPAN_ID:016x}-00"})
+    assert resp.status == 201
+    received = upstream.executed[-1].headers["traceparent"]
+    assert received.startswith(f"00-{TRACE_ID:032x}-") and received.endswith("-00")
+    await asyncio.sleep(0.1)
+    assert exporter.get_finished_spans() == ()
+
+
 async def test_no_raw_key_or_credential_in_any_span(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
