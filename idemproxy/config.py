@@ -411,6 +411,11 @@ def _http_url(value: Any) -> str:
     return text.rstrip("/")
 
 
+def _optional_http_url(value: Any) -> str:
+    """An http(s) URL, or empty for "not set" (what ``${NAME:-}`` gives)."""
+    return "" if _str(value) == "" else _http_url(value)
+
+
 def _redis_url(value: Any) -> SecretURL:
     text = _secret_text(value)
     if urlsplit(text).scheme not in ("redis", "rediss", "unix"):
@@ -541,7 +546,7 @@ _SPECS: dict[type[Any], _Spec] = {
         "enabled": _bool,
         "service_name": _str,
         "exporter": _choice("otlp", "console", "none"),
-        "endpoint": _http_url,
+        "endpoint": _optional_http_url,
     },
     LogConfig: {
         "level": _log_level,

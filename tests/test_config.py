@@ -368,6 +368,8 @@ def test_tracing_is_off_by_default_and_configurable() -> None:
     }}, env={}).tracing
     assert (tracing.enabled, tracing.service_name, tracing.exporter) == (True, "pay-proxy", "otlp")
     assert tracing.endpoint == "http://otel:4318/v1/traces"
+    unset = load_config({"upstream": UP, "tracing": {"endpoint": "${OTEL_URL:-}"}}, env={}).tracing
+    assert unset.endpoint == ""  # the exporter's own default
 
 
 @pytest.mark.parametrize(
