@@ -23,6 +23,7 @@ from idemproxy.problems import Handler, StoreUnavailable, problem_middleware
 from idemproxy.proxy import HEADER_POLICY, REQUEST_ID, UPSTREAM_SERVER, HeaderPolicy, Upstreams
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
+from idemproxy.tracing import build_tracer
 
 log = logging.getLogger("idemproxy")
 
@@ -51,8 +52,9 @@ class Proxy:
         self.metrics = Metrics()
         self.store = store if store is not None else build_store(
             config.storage, self.metrics, max_body=config.max_stored_response)
-        self.upstreams = Upstreams(config)
-        self.engine = Engine(config, self.store, self.upstreams, self.metrics)
+        self.tracer = build_tracer(config.tracing)
+        self.upstreams = Upstreams(config, self.tracer)
+        self.engine = Engine(config, self.store, self.upstreams, self.metrics, self.tracer)
         self.phase = Phase.STARTING
         # serve() marks the process ready itself, once the proxy port listens.
         self._ready_after_start = ready_after_start
@@ -86,6 +88,7 @@ class Proxy:
         await self.engine.drain(self.config.shutdown_timeout)
         await self.upstreams.close()
         await self.store.close()
+        await self.tracer.shutdown()  # last: the spans of the drained requests are exported too
 
     async def check_stores(self) -> Health:
         """Ping the stores (bounded in time), and record the answer in ``idemproxy_store_up``."""

@@ -22,6 +22,7 @@ from idemproxy import __version__
 from idemproxy.config import STORE_KEY_BYTES, Config, ConfigError, dump_yaml, load_config_file
 from idemproxy.logs import setup_logging
 from idemproxy.problems import StoreUnavailable
+from idemproxy.tracing import TracingUnavailable, require
 
 log = logging.getLogger("idemproxy")
 
@@ -100,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides["tenant.from"] = "static"
     config = _load(args.config, overrides)
     setup_logging(config.log)
+    require(config.tracing)  # before any worker starts: one clear line instead of one traceback each
     if config.workers > 1 and not args.reuse_port:
         from idemproxy.workers import run_workers
 
@@ -232,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StoreUnavailable as exc:
         print(f"idemproxy: {exc.detail}", file=sys.stderr)
         return 1
-    except CLIError as exc:
+    except (CLIError, TracingUnavailable) as exc:
         print(f"idemproxy: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

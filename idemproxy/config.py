@@ -241,6 +241,16 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry spans for claim, forward and settle (needs ``idemproxy[otel]``); off unless enabled."""
+
+    enabled: bool = False
+    service_name: str = "idemproxy"
+    exporter: Literal["otlp", "console", "none"] = "otlp"  # none: traceparent still continued, spans not sent
+    endpoint: str = ""  # OTLP/HTTP traces URL; empty: the exporter's default (OTEL_EXPORTER_OTLP_* or localhost)
+
+
+@dataclass(frozen=True)
 class Config:
     listen: ListenConfig = field(default_factory=ListenConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
@@ -252,6 +262,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     forwarded: ForwardedConfig = field(default_factory=ForwardedConfig)
     request_id: RequestIdConfig = field(default_factory=RequestIdConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     drain_delay: float = 5.0  # after SIGTERM: /readyz 503 but still serving, so load balancers notice
     shutdown_timeout: float = 30.0
     workers: int = 1
@@ -404,6 +415,11 @@ def _http_url(value: Any) -> str:
     return text.rstrip("/")
 
 
+def _optional_http_url(value: Any) -> str:
+    """An http(s) URL, or empty for "not set" (what ``${NAME:-}`` gives)."""
+    return "" if _str(value) == "" else _http_url(value)
+
+
 def _redis_url(value: Any) -> SecretURL:
     text = _secret_text(value)
     if urlsplit(text).scheme not in ("redis", "rediss", "unix"):
@@ -531,6 +547,12 @@ _SPECS: dict[type[Any], _Spec] = {
         "migrate": _choice("auto", "off"),
         "partitions": _choice("daily", "none"),
     },
+    TracingConfig: {
+        "enabled": _bool,
+        "service_name": _str,
+        "exporter": _choice("otlp", "console", "none"),
+        "endpoint": _optional_http_url,
+    },
     LogConfig: {
         "level": _log_level,
         "format": _choice("text", "json"),
@@ -600,7 +622,7 @@ def _short(value: Any) -> str:
 
 _TOP_LEVEL = (
     "listen", "admin", "upstream", "tenant", "idempotency", "routes", "storage", "log",
-    "forwarded", "request_id", "drain_delay", "shutdown_timeout", "workers",
+    "forwarded", "request_id", "tracing", "drain_delay", "shutdown_timeout", "workers",
 )
 
 
@@ -749,6 +771,8 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
         )
     if storage.postgres is not None and storage.postgres.pool_min > storage.postgres.pool_max:
         loader.error("storage.postgres.pool_min", "must not exceed storage.postgres.pool_max")
+    if config.tracing.endpoint and config.tracing.exporter != "otlp":
+        loader.error("tracing.endpoint", f"is only used with exporter: otlp (not {config.tracing.exporter})")
 
 
 def _fmt_seconds(value: float) -> str:
@@ -785,6 +809,7 @@ def load_config(
         log=loader.section(LogConfig, "log", raw.get("log")),
         forwarded=loader.section(ForwardedConfig, "forwarded", raw.get("forwarded")),
         request_id=loader.section(RequestIdConfig, "request_id", raw.get("request_id")),
+        tracing=loader.section(TracingConfig, "tracing", raw.get("tracing")),
         drain_delay=_top_value(loader, raw, "drain_delay", parse_duration, 5.0),
         shutdown_timeout=_top_value(loader, raw, "shutdown_timeout", parse_duration, 30.0),
         workers=_top_value(loader, raw, "workers", _int(1, 256), 1),

@@ -65,6 +65,7 @@ from idemproxy.proxy import (
 from idemproxy.replays import ReplayCache
 from idemproxy.settle import Settler
 from idemproxy.store.base import Claim, Record, State, Store, StoredResponse, new_token
+from idemproxy.tracing import HTTP_STATUS, Span, Tracer
 
 _T = TypeVar("_T")
 
@@ -147,8 +148,11 @@ def _is_utf8(value: str) -> bool:
 class Engine:
     """Serves every request on the proxy port."""
 
-    def __init__(self, config: Config, store: Store, upstreams: Upstreams, metrics: Metrics) -> None:
+    def __init__(
+        self, config: Config, store: Store, upstreams: Upstreams, metrics: Metrics, tracer: Tracer | None = None
+    ) -> None:
         self.config = config
+        self.tracer = tracer if tracer is not None else Tracer()  # off: every span is a no-op
         self.store = store
         self.upstreams = upstreams
         self.metrics = metrics
@@ -175,18 +179,21 @@ class Engine:
         route = self.config.route_for(request.path)
         idem = route.idempotency if route is not None else self.config.idempotency
         exchange = _Exchange(upstream=self.upstreams.for_route(route))
-        try:
-            if (route is not None and not route.enabled) or request.method not in idem.methods:
-                response = await self._passthrough(request, exchange)
-            else:
-                response = await self._covered(request, idem, exchange)
-            exchange.status = response.status
-            return response
-        except Problem as problem:
-            exchange.outcome, exchange.status = problem.outcome, problem.status
-            raise
-        finally:
-            self._observe(request, route.prefix if route else "other", exchange, started)
+        with self.tracer.server_span(request.method, route.prefix if route else None, request.headers) as span:
+            try:
+                if (route is not None and not route.enabled) or request.method not in idem.methods:
+                    response = await self._passthrough(request, exchange)
+                else:
+                    response = await self._covered(request, idem, exchange)
+                exchange.status = response.status
+                return response
+            except Problem as problem:
+                exchange.outcome, exchange.status = problem.outcome, problem.status
+                raise
+            finally:
+                self._observe(request, route.prefix if route else "other", exchange, started)
+                if self.tracer.enabled:
+                    _annotate(span, exchange)
 
     def _observe(self, request: web.Request, route: str, ex: _Exchange, started: float) -> None:
         total = time.perf_counter() - started
@@ -217,10 +224,14 @@ class Engine:
 
     async def _timed_upstream(self, ex: _Exchange, call: Callable[[], Awaitable[_T]]) -> _T:
         started = time.perf_counter()
-        try:
-            return await call()
-        finally:
-            ex.upstream_seconds += time.perf_counter() - started
+        with self.tracer.span("idemproxy.forward", client=True) as span:
+            try:
+                result = await call()
+            finally:
+                ex.upstream_seconds += time.perf_counter() - started
+            if isinstance(result, web.StreamResponse):
+                span.set_attribute(HTTP_STATUS, result.status)
+            return result
 
     async def _passthrough(self, request: web.Request, ex: _Exchange) -> web.StreamResponse:
         ex.outcome = "passthrough"
@@ -245,7 +256,9 @@ class Engine:
             body, canonical=idem.canonical_json,
         )
         try:
-            claim = await self._claim(tenant, key, fp, idem)
+            with self.tracer.span("idemproxy.claim") as span:
+                claim = await self._claim(tenant, key, fp, idem)
+                span.set_attribute("idemproxy.owned", claim.owned)
         except StoreUnavailable as exc:
             # An unreadable record stands for a request already executed: never forward it again, even fail_open.
             if self.config.storage.on_store_error == "fail_closed" or isinstance(exc, RecordUnreadable):
@@ -435,20 +448,24 @@ class Engine:
             raise
         started = time.perf_counter()
         try:
-            with upstream_errors():
+            with self.tracer.span("idemproxy.forward", client=True) as span, upstream_errors():
                 async with asyncio.timeout(budget):
                     upstream = await ex.upstream.send(request, headers, body)
                     head, complete = await read_at_most(upstream, idem.max_stored_response)
+                span.set_attribute(HTTP_STATUS, upstream.status)
         except (UpstreamUnreachable, BadRequest):  # nothing was sent
             await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
             raise
         except (UpstreamTimeout, UpstreamReset) as problem:
-            await self._unknown_outcome(claim, idem, problem_response(problem))
+            with self.tracer.span("idemproxy.settle"):
+                await self._unknown_outcome(claim, idem, problem_response(problem))
             raise
         finally:
             ex.upstream_seconds += time.perf_counter() - started
         try:
-            refused = await self._settle_answer(claim, idem, upstream, head, complete, request.get(REQUEST_ID, ""))
+            with self.tracer.span("idemproxy.settle"):
+                refused = await self._settle_answer(claim, idem, upstream, head, complete,
+                                                    request.get(REQUEST_ID, ""))
         except BaseException:
             upstream.release()
             raise
@@ -559,6 +576,15 @@ class Engine:
                 upstream.release()
 
         return await self._timed_upstream(ex, call)
+
+
+def _annotate(span: Span, ex: _Exchange) -> None:
+    """What a request did, on its server span: never the raw key or tenant (a key hash, as in the access log)."""
+    span.set_attribute("idemproxy.outcome", ex.outcome)
+    if ex.status:
+        span.set_attribute(HTTP_STATUS, ex.status)
+    if ex.key:
+        span.set_attribute("idemproxy.key_hash", short_hash(ex.key))
 
 
 def replay_headers(

@@ -19,6 +19,7 @@ from yarl import URL
 
 from idemproxy.config import Config, IPNetwork, RouteConfig, UpstreamConfig
 from idemproxy.problems import BadRequest, UpstreamReset, UpstreamTimeout, UpstreamUnreachable
+from idemproxy.tracing import Tracer
 
 log = logging.getLogger("idemproxy.proxy")
 
@@ -144,9 +145,10 @@ def upstream_errors() -> Any:
 class Upstream:
     """One pooled client session to the upstream."""
 
-    def __init__(self, config: UpstreamConfig) -> None:
+    def __init__(self, config: UpstreamConfig, tracer: Tracer | None = None) -> None:
         self.config = config
         self.base = config.url
+        self.tracer = tracer if tracer is not None else Tracer()
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
@@ -187,6 +189,7 @@ class Upstream:
         self, request: web.Request, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None
     ) -> aiohttp.ClientResponse:
         """Send the request (never retried here: RFC 9110 §9.2.2) and return the response head."""
+        self.tracer.inject(headers)  # tracing on: the upstream continues the trace under the current span
         with upstream_errors():
             return await self.session.request(
                 request.method, self.url(request), headers=headers, data=body,
@@ -219,11 +222,11 @@ class Upstreams:
     Routes naming equal upstream settings share one pool; routes naming none use the top-level upstream.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tracer: Tracer | None = None) -> None:
         self._config = config
         self._pools: dict[UpstreamConfig, Upstream] = {}
         for upstream in (config.upstream, *(r.upstream for r in config.routes if r.upstream is not None)):
-            self._pools.setdefault(upstream, Upstream(upstream))
+            self._pools.setdefault(upstream, Upstream(upstream, tracer))
 
     @property
     def default(self) -> Upstream:

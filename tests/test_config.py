@@ -375,3 +375,29 @@ def test_store_keys_are_masked_in_check_config(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert STORE_KEY not in result.stdout and previous not in result.stdout
     assert yaml.safe_load(result.stdout)["storage"]["encryption"] == {"key": "***", "previous_keys": ["***"]}
+
+
+def test_tracing_is_off_by_default_and_configurable() -> None:
+    assert load_config({"upstream": UP}, env={}).tracing.enabled is False
+    tracing = load_config({"upstream": UP, "tracing": {
+        "enabled": True, "service_name": "pay-proxy", "exporter": "otlp", "endpoint": "http://otel:4318/v1/traces",
+    }}, env={}).tracing
+    assert (tracing.enabled, tracing.service_name, tracing.exporter) == (True, "pay-proxy", "otlp")
+    assert tracing.endpoint == "http://otel:4318/v1/traces"
+    unset = load_config({"upstream": UP, "tracing": {"endpoint": "${OTEL_URL:-}"}}, env={}).tracing
+    assert unset.endpoint == ""  # the exporter's own default
+
+
+@pytest.mark.parametrize(
+    ("tracing", "expected"),
+    [
+        ({"enabled": True, "sampler": "always"}, "tracing.sampler: unknown key"),
+        ({"exporter": "jaeger"}, "tracing.exporter: 'jaeger' is not one of otlp, console, none"),
+        ({"enabled": "maybe"}, "tracing.enabled: 'maybe' is not a boolean"),
+        ({"endpoint": "otel:4318"}, "tracing.endpoint: 'otel:4318' is not an http(s) URL"),
+        ({"exporter": "console", "endpoint": "http://otel:4318"},
+         "tracing.endpoint: is only used with exporter: otlp (not console)"),
+    ],
+)
+def test_tracing_errors_name_the_key(tracing: dict[str, Any], expected: str) -> None:
+    assert any(expected in error for error in errors_of({"upstream": UP, "tracing": tracing}))
