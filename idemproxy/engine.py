@@ -312,12 +312,12 @@ class Engine:
                     await asyncio.wait_for(changed, min(remaining, max(lease_left, 0.01)))
 
     async def _claim_once(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
-        token = new_token()
-        # The lease is counted from before the claim was sent: the store's clock starts it when the statement
-        # starts, and time the statement spent blocked (a row lock, a commit wait) is already gone from it.
         cached = self.replays.get(tenant, key)
         if cached is not None:  # a completed record this process read lately: no network at all
             return Claim(record=cached, owned=False, now=time.time())
+        token = new_token()
+        # The lease is counted from before the claim was sent: the store's clock starts it when the statement
+        # starts, and time the statement spent blocked (a row lock, a commit wait) is already gone from it.
         seen = self.replays.begin()
         sent = time.monotonic()
         try:

@@ -321,7 +321,7 @@ class RedisFrontedStore(Store):
                 reply = await self._claim_script(
                     keys=self._keys(tenant, key),
                     args=[f"{token} {fingerprint} {int((time.time() + lease) * 1000)}",
-                          int(min(lease, LOCK_MAX) * 1000), new_token(), self._epoch_ms],
+                          int(min(lease, LOCK_MAX) * 1000), token, self._epoch_ms],  # token: a fresh epoch too
                 )
                 kind = reply[0].decode()
                 if kind == "completed":  # written only after the durable store completed: authoritative
