@@ -139,15 +139,24 @@ def storage(clean_pg: str, redis_url: str, redis_prefix: str, tmp_path: Path) ->
     return make
 
 
-@pytest.fixture
-async def upstream() -> AsyncIterator[RecordingUpstream]:
+@contextlib.asynccontextmanager
+async def recording_upstream() -> AsyncIterator[RecordingUpstream]:
+    """A RecordingUpstream on a real port, its hanging requests let go and the server closed afterwards."""
     recorder = RecordingUpstream()
     server = TestServer(recorder.app(), host="127.0.0.1")
     await server.start_server()
     recorder.url = str(server.make_url("")).rstrip("/")
-    yield recorder
-    recorder.release_hangs()
-    await server.close()
+    try:
+        yield recorder
+    finally:
+        recorder.release_hangs()
+        await server.close()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[RecordingUpstream]:
+    async with recording_upstream() as recorder:
+        yield recorder
 
 
 def build_config(upstream_url: str, storage_section: dict[str, Any], **sections: Any) -> Config:

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from tests.conftest import ProxyFactory, RunningProxy
+from tests.conftest import ProxyFactory, RunningProxy, recording_upstream
 from tests.upstream import RecordingUpstream
 
 CHARGE = {"amount": 1000, "currency": "eur"}
@@ -22,13 +22,8 @@ BANNER = "aiohttp"
 
 @pytest.fixture
 async def upstream_b() -> AsyncIterator[RecordingUpstream]:
-    recorder = RecordingUpstream()
-    server = TestServer(recorder.app(), host="127.0.0.1")
-    await server.start_server()
-    recorder.url = str(server.make_url("")).rstrip("/")
-    yield recorder
-    recorder.release_hangs()
-    await server.close()
+    async with recording_upstream() as recorder:
+        yield recorder
 
 
 def problem(body: bytes) -> dict[str, Any]:
