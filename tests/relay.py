@@ -60,6 +60,7 @@ class Relay:
         self._mode = "open"  # open | cut | stalled
         self._links: set[_Link] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()  # every stream opened, aborted at shutdown
         self._server: asyncio.Server | None = None
         self._flowing: asyncio.Event | None = None
         self._loop = asyncio.new_event_loop()
@@ -153,6 +154,9 @@ class Relay:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for writer in self._writers:  # whatever a cancelled task left open
+            writer.transport.abort()
+        await asyncio.sleep(0.05)  # aborts close their sockets in callbacks: let them run before the loop stops
 
     def _abort_all(self) -> None:
         for link in list(self._links):
@@ -164,6 +168,7 @@ class Relay:
             writer.transport.abort()
             return
         self.accepted += 1
+        self._writers.add(writer)
         task = asyncio.get_running_loop().create_task(self._serve(reader, writer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -178,6 +183,7 @@ class Relay:
                 return
             try:
                 target_reader, link.target = await asyncio.open_connection(self.target_host, self.target_port)
+                self._writers.add(link.target)
             except OSError:
                 return  # the target is down: the client sees its connection closed
             if self._mode == "cut":  # cut while connecting
@@ -188,6 +194,9 @@ class Relay:
             if self._mode != "cut":
                 await link.close()
             link.abort()
+            self._writers.discard(writer)
+            if link.target is not None:
+                self._writers.discard(link.target)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Copy one direction until EOF or an error; EOF is passed on as a half-close."""
