@@ -276,6 +276,11 @@ class Config:
         """The largest body any route may store (what reading a stored value back may have to hold)."""
         return max([self.idempotency.max_stored_response, *(r.idempotency.max_stored_response for r in self.routes)])
 
+    @property
+    def waits(self) -> bool:
+        """Whether any route answers a duplicate in flight by waiting for the owner (``in_flight: wait``)."""
+        return any(i.in_flight == "wait" for i in (self.idempotency, *(r.idempotency for r in self.routes)))
+
     def route_for(self, path: str) -> RouteConfig | None:
         """The first route whose prefix matches ``path`` (None: the defaults apply)."""
         for route in self.routes:

@@ -158,6 +158,7 @@ class Engine:
         self.metrics = metrics
         self.settler = Settler(metrics, config.storage.pending_settles)
         self.replays = ReplayCache(config.storage.replay_memory, store.notifications_live)
+        store.announce_completions(config.waits)  # only `wait` requests listen for a completion
         store.watchers.listeners.append(self.replays.invalidate)
         self._tasks: set[asyncio.Task[_Forwarded | web.Response]] = set()
         # Access lines are written at the configured level (so "debug" hides them under an info root).
@@ -326,19 +327,26 @@ class Engine:
                 self.replays.put(claim, seen)
             return replace(claim, received=sent)
         except StoreUnavailable as exc:
-            if not exc.maybe_applied:
-                raise
-            # The claim may have landed although its answer never came back (a timeout, a cut after the
-            # commit): the key would then sit in flight for a whole lease with nothing sent. Release it with the
-            # token it would carry (fenced: harmless if it never landed), in the background.
-            now = time.time()
-            ghost = Claim(record=Record(
-                tenant=tenant, key=key, fingerprint=fp, state=State.IN_FLIGHT, lease_token=token,
-                lease_expires_at=now + idem.lease, response=None, created_at=now, completed_at=None,
-                expires_at=now + idem.ttl,
-            ), owned=True, now=now)
-            self.settler.release_later(lambda: self.store.release(ghost), until=sent + idem.lease)
+            if exc.maybe_applied:
+                self._release_ghost(tenant, key, fp, token, idem, sent)
             raise
+        except asyncio.CancelledError:  # the claim goes on without us (a batch on the wire): it may land
+            self._release_ghost(tenant, key, fp, token, idem, sent)
+            raise
+
+    def _release_ghost(
+        self, tenant: str, key: str, fp: str, token: str, idem: IdempotencyConfig, sent: float
+    ) -> None:
+        """A claim may have landed although its answer never reached us (a timeout, a cut after the commit, a
+        cancelled caller): the key would then sit in flight for a whole lease with nothing sent. Release it with
+        the token it would carry (fenced: harmless if it never landed), in the background."""
+        now = time.time()
+        ghost = Claim(record=Record(
+            tenant=tenant, key=key, fingerprint=fp, state=State.IN_FLIGHT, lease_token=token,
+            lease_expires_at=now + idem.lease, response=None, created_at=now, completed_at=None,
+            expires_at=now + idem.ttl,
+        ), owned=True, now=now)
+        self.settler.release_later(lambda: self.store.release(ghost), until=sent + idem.lease)
 
     async def _decide(
         self, request: web.Request, claim: Claim, fp: str, body: bytes,

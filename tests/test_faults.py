@@ -374,3 +374,28 @@ async def test_listen_is_re_established_after_a_postgres_restart(
     assert waiter.status == 201 and waiter.headers["Idempotent-Replayed"] == "true"
     assert loop.time() - started < 4, "the waiter was not woken: it waited for its deadline"
     assert (await owner)[0].status == 201
+
+
+def redis_publishes(redis: RedisServer) -> int:
+    stats = sync_redis.Redis.from_url(redis.url).info("commandstats")
+    return int(stats.get("cmdstat_publish", {}).get("calls", 0))
+
+
+@pytest.mark.parametrize("in_flight", ["reject", "wait"])
+async def test_a_completion_is_announced_only_when_a_route_waits(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str,
+    in_flight: str,
+) -> None:
+    """Only `in_flight: wait` requests listen for a completion; a release is announced either way (a waiter
+    may take the key over, a replica may hold a copy of a record an admin release deletes)."""
+    proxy = await make_proxy(storage_section=redis_section(running_redis, clean_pg),
+                             idempotency={"in_flight": in_flight})
+    await proxy.post("/v1/charges", key="warm-up", body=CHARGE)
+    before = redis_publishes(running_redis)
+    resp, _ = await proxy.post("/v1/charges", key="announce", body=CHARGE)
+    assert resp.status == 201
+    assert redis_publishes(running_redis) - before == (1 if in_flight == "wait" else 0)
+    before = redis_publishes(running_redis)
+    resp, _ = await proxy.post("/v1/charges", key="released", body=CHARGE, headers={"X-Test-Status": "503"})
+    assert resp.status == 503
+    assert redis_publishes(running_redis) - before == 1

@@ -162,6 +162,13 @@ class Store(ABC):
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.metrics = metrics
         self.watchers = Watchers()
+        self.announcing = True
+
+    def announce_completions(self, on: bool) -> None:
+        """Whether a completion is announced to other processes (Redis PUBLISH, PostgreSQL NOTIFY). Only requests
+        waiting for an owner (``in_flight: wait``) listen for it: no process keeps a copy of a record in flight, so
+        no cache needs it. Releases and admin deletes are always announced."""
+        self.announcing = on
 
     @abstractmethod
     async def open(self) -> None:

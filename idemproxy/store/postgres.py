@@ -16,6 +16,7 @@ from idemproxy.config import PostgresConfig
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreRejected, StoreUnavailable
 from idemproxy.store.base import Claim, Health, Record, State, Store, StoredResponse, new_token
+from idemproxy.store.batch import Batcher, follow_up
 from idemproxy.store.codec import Codec
 
 log = logging.getLogger("idemproxy.store.postgres")
@@ -227,7 +228,56 @@ BEGIN
 END $$;
 """
 
+# Group commit (store/batch.py): the claims, or the completions, of concurrent requests in one statement and one
+# transaction, each applied by the per-key function above. Keys are taken in one global order (the hash their
+# advisory lock is named by), so two batches, or a batch and a single-key call, never wait on each other in a
+# cycle. The same key twice in one batch is applied in queue order: the second sees the first's row.
+BATCH_FUNCTIONS = f"""
+CREATE OR REPLACE FUNCTION idemproxy_claim_many(
+    p_tenants text[], p_keys text[], p_fps text[], p_tokens text[], p_leases double precision[],
+    p_ttls double precision[])
+RETURNS TABLE (idx integer, rec {TABLE}, owned boolean, db_now timestamptz) LANGUAGE plpgsql AS $$
+DECLARE i integer;
+BEGIN
+    FOR i IN SELECT u.n::integer FROM unnest(p_tenants, p_keys) WITH ORDINALITY AS u(t, k, n)
+              ORDER BY hashtextextended(u.t || chr(31) || u.k, 0), u.n LOOP
+        -- An owner's clock is the transaction's start, which its lease was counted from; a record that stands is
+        -- judged (a cached copy's lifetime, lease_expires_in) by the clock when it was read, later in the batch.
+        RETURN QUERY SELECT i, c.rec, c.owned, CASE WHEN c.owned THEN c.db_now ELSE clock_timestamp() END
+          FROM idemproxy_claim(p_tenants[i], p_keys[i], p_fps[i], p_tokens[i], p_leases[i], p_ttls[i]) AS c;
+    END LOOP;
+END $$;
+
+CREATE OR REPLACE FUNCTION idemproxy_complete_many(
+    p_tenants text[], p_keys text[], p_tokens text[], p_statuses integer[], p_headers text[], p_bodies bytea[],
+    p_body_stored boolean[], p_ttls double precision[], p_expires timestamptz[], p_channel text DEFAULT NULL,
+    p_payloads text[] DEFAULT NULL)
+RETURNS TABLE (idx integer, changed integer) LANGUAGE plpgsql AS $$
+DECLARE i integer;
+BEGIN
+    FOR i IN SELECT u.n::integer FROM unnest(p_tenants, p_keys) WITH ORDINALITY AS u(t, k, n)
+              ORDER BY hashtextextended(u.t || chr(31) || u.k, 0), u.n LOOP
+        idx := i;
+        changed := idemproxy_complete(p_tenants[i], p_keys[i], p_tokens[i], p_statuses[i], p_headers[i],
+                                      p_bodies[i], p_body_stored[i], p_ttls[i], p_expires[i], p_channel,
+                                      p_payloads[i]);
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""
+
 _P_CLAIM = "SELECT (c.rec).*, c.owned, c.db_now FROM idemproxy_claim($1, $2, $3, $4, $5, $6) AS c"
+_P_CLAIM_MANY = (
+    "SELECT c.idx, (c.rec).*, c.owned, c.db_now FROM idemproxy_claim_many($1, $2, $3, $4, $5, $6) AS c"
+)
+_P_COMPLETE_MANY = (
+    "SELECT c.idx, c.changed FROM idemproxy_complete_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) AS c"
+)
+# One statement timeout or cut fails every call of its batch, so batches stay small: at most this many calls, and
+# completions at most BATCH_BYTES of stored answers (a larger single answer goes alone).
+BATCH_MAX = 64
+BATCH_BYTES = 4 * 1024 * 1024
+BATCHES_IN_FLIGHT = 4  # statements of one kind on the wire at once; calls made meanwhile wait for the next
 _P_CHANGE = {
     "complete": "SELECT idemproxy_complete($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
     "release": "SELECT idemproxy_release($1, $2, $3, $4, $5)",
@@ -264,6 +314,12 @@ LISTEN_RETRY = 1.0  # seconds between attempts to re-establish LISTEN after its 
 async def _no_reset(_conn: Any) -> None:
     """Skip asyncpg's reset query on every release: it would cost a round trip per operation, and this
     store leaves no session state behind (no LISTEN, cursors or session-level locks on pool connections)."""
+
+
+# A queued claim: tenant, key, fingerprint, token, lease, ttl.
+_ClaimCall = tuple[str, str, str, str, float, float]
+# A queued completion: tenant, key, token, status, headers, body, body stored, ttl, expiry seen, notify payload.
+_CompleteCall = tuple[str, str, str, int, str, bytes, bool, float, datetime, str | None]
 
 
 def _epoch(value: datetime | None) -> float | None:
@@ -467,6 +523,7 @@ async def _apply_layout(conn: Any, partitions: str, convert: bool) -> None:
                     "no conversion back)", TABLE)
     if current == "daily":
         await conn.execute(PARTITIONED_FUNCTIONS)  # CREATE OR REPLACE: a newer version's functions win
+        await conn.execute(BATCH_FUNCTIONS)
 
 
 async def connect_with_retries(
@@ -501,6 +558,15 @@ class PostgresStore(Store):
         self._closing = asyncio.Event()
         self.statements = 0  # statements sent, for diagnostics and the round-trip budget tests
         self.layout = "none"  # as found at open: "daily" (partitioned, functions) or "none" (one table)
+        # Group commit (daily layout, once its batch functions exist): claims and completions of concurrent
+        # requests go out together.
+        self.batching = False
+        self._claims: Batcher[_ClaimCall, Any] = Batcher(
+            self._claim_batch, max_batch=BATCH_MAX, max_in_flight=BATCHES_IN_FLIGHT, abandoned=self._unclaim)
+        self._completes: Batcher[_CompleteCall, int] = Batcher(
+            self._complete_batch, max_batch=BATCH_MAX, max_in_flight=BATCHES_IN_FLIGHT,
+            weigh=lambda call: len(call[4]) + len(call[5]), max_weight=BATCH_BYTES)
+        self._unclaiming: set[asyncio.Task[Any]] = set()
 
     async def _init_connection(self, conn: Any) -> None:
         conn.add_query_logger(self._count_statement)
@@ -521,12 +587,27 @@ class PostgresStore(Store):
         async with self._conn("open") as conn:
             if self.config.migrate == "auto":
                 await migrate(conn, self.config.partitions, convert=False)
-            self.layout = await layout(conn) or "none"
+            await self._learn_layout(conn)
         if self.listen:
             self._listen_task = asyncio.create_task(self._keep_listening(), name="idemproxy-pg-listen")
 
+    async def _learn_layout(self, conn: Any) -> None:
+        """The table's layout, and whether the batch functions are there (a schema last migrated by an older
+        version has the per-key functions only, until `idemproxy migrate` runs: then every call goes alone)."""
+        self.layout = await layout(conn) or "none"
+        self.batching = self.layout == "daily" and bool(await conn.fetchval(
+            "SELECT to_regproc('idemproxy_claim_many') IS NOT NULL AND to_regproc('idemproxy_complete_many') "
+            "IS NOT NULL"))
+        if self.layout == "daily" and not self.batching:
+            log.warning("the schema has no batch functions (migrated by an older version): claims and completions "
+                        "go one statement each until `idemproxy migrate` is run")
+
     async def close(self) -> None:
         self._closing.set()
+        await self._claims.close(OPERATION_TIMEOUT)
+        await self._completes.close(OPERATION_TIMEOUT)
+        if self._unclaiming:
+            await asyncio.wait(set(self._unclaiming), timeout=OPERATION_TIMEOUT)
         if self._listen_task is not None:
             await asyncio.wait({self._listen_task}, timeout=3)
             self._listen_task.cancel()
@@ -572,43 +653,47 @@ class PostgresStore(Store):
 
     @contextlib.asynccontextmanager
     async def _conn(self, operation: str) -> AsyncIterator[Any]:
+        """A pooled connection for one operation, timed and counted (``measured``)."""
+        async with self.measured(operation), self._connection(operation) as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def _connection(self, operation: str) -> AsyncIterator[Any]:
         """A pooled connection. Every failure is translated here: the request's own data refused →
         StoreRejected; anything else the driver or the server can do (refused or dropped connections, timeouts,
         shutdown, an exhausted pool, a protocol state error) → StoreUnavailable. A connection interrupted in the
         middle of an operation (error, timeout or cancellation) is terminated, never handed out again: a
         pooled connection with an operation still pending fails the next user with "another operation is in
         progress"."""
-        async with self.measured(operation):
-            try:
-                conn = await self._pool.acquire(timeout=OPERATION_TIMEOUT)
-            except Exception as exc:
-                raise _unavailable(operation, exc, maybe_applied=False) from exc
-            try:
-                yield conn
-            except BaseException as exc:
-                # asyncpg may already have taken back a connection closed mid-operation: then terminate() on
-                # our handle refuses, and the connection is gone anyway.
-                with contextlib.suppress(Exception):
-                    conn.terminate()
-                if isinstance(exc, _DATA_ERRORS) and operation == "claim":  # the request's own key or tenant
-                    raise StoreRejected("The idempotency key or tenant cannot be stored.") from exc
-                if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
-                    raise _unavailable(operation, exc) from exc
-                raise
-            finally:
-                with contextlib.suppress(Exception):
-                    await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
+        try:
+            conn = await self._pool.acquire(timeout=OPERATION_TIMEOUT)
+        except Exception as exc:
+            raise _unavailable(operation, exc, maybe_applied=False) from exc
+        try:
+            yield conn
+        except BaseException as exc:
+            # asyncpg may already have taken back a connection closed mid-operation: then terminate() on
+            # our handle refuses, and the connection is gone anyway.
+            with contextlib.suppress(Exception):
+                conn.terminate()
+            if isinstance(exc, _DATA_ERRORS) and operation == "claim":  # the request's own key or tenant
+                raise StoreRejected("The idempotency key or tenant cannot be stored.") from exc
+            if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
+                raise _unavailable(operation, exc) from exc
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
 
     async def _change(self, operation: str, statement: str, *args: Any) -> bool:
         """Run a fenced write; True when it changed the record (and then woke LISTENing waiters)."""
-        notify: tuple[str | None, ...] = (
-            (NOTIFY_CHANNEL, self.watchers.message(args[0], args[1])) if self.listen else ()
-        )
+        announce = self.listen and (self.announcing or operation != "complete")
+        notify: tuple[str | None, ...] = (NOTIFY_CHANNEL, self.watchers.message(args[0], args[1])) if announce else ()
         if self.layout == "daily":
             sql = _P_CHANGE[operation]
             notify = notify or (None, None)
         else:
-            sql = _counted(statement, len(args), self.listen)
+            sql = _counted(statement, len(args), announce)
         async with self._conn(operation) as conn:
             changed: int = await conn.fetchval(sql, *args, *notify)
         return changed == 1
@@ -637,6 +722,9 @@ class PostgresStore(Store):
         )
 
     async def _claim(self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float) -> Any:
+        if self.batching:
+            async with self.measured("claim"):
+                return await self._claims.call((tenant, key, fingerprint, token, lease, ttl))
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
         async with self._conn("claim") as conn:
             for _ in range(5):  # see the race described at _CLAIM
@@ -646,16 +734,64 @@ class PostgresStore(Store):
         raise StoreUnavailable("The idempotency store could not settle a claim.")
 
     async def _refresh_layout(self) -> None:
+        before = self.layout
         async with self._conn("open") as conn:
-            found = await layout(conn) or "none"
-        if found != self.layout:
-            log.warning("%s is now %s; following it", TABLE, "partitioned" if found == "daily" else "one table")
-            self.layout = found
+            await self._learn_layout(conn)
+        if self.layout != before:
+            log.warning("%s is now %s; following it", TABLE, "partitioned" if self.layout == "daily" else "one table")
+
+    async def _batch(self, operation: str, statement: str, calls: list[Any], columns: list[Any]) -> list[Any]:
+        """One statement for a batch of calls: the rows it returned, by call (``idx`` counts from 1). When the
+        statement refused one call's own data, the batch failed as a whole: each call is then sent alone, so
+        only that one fails."""
+        try:
+            async with self._connection(operation) as conn:
+                rows = await conn.fetch(statement, *columns)
+        except (StoreRejected, StoreUnavailable) as exc:
+            if len(calls) == 1 or not isinstance(exc.__cause__, _DATA_ERRORS):
+                raise
+            send_one = self._claim_batch if operation == "claim" else self._complete_batch
+            alone: list[Any] = []
+            for call in calls:
+                try:
+                    alone.extend(await send_one([call]))
+                except (StoreRejected, StoreUnavailable) as one:
+                    alone.append(one)
+            return alone
+        by_call = {row["idx"]: row for row in rows}
+        return [by_call.get(n) or StoreUnavailable("The idempotency store gave no answer for this call.")
+                for n in range(1, len(calls) + 1)]
+
+    def _unclaim(self, call: _ClaimCall, outcome: Any) -> None:
+        """A claim whose caller was cancelled while its batch was on the wire: if it made that caller the owner,
+        nobody will forward or release it, so release it now (fenced by its token), not after a whole lease."""
+        if isinstance(outcome, BaseException) or not outcome["owned"]:
+            return
+        tenant, key, _, token, _, _ = call
+        follow_up(self._unclaiming, self._change("release", _RELEASE, tenant, key, token),
+                  "releasing an abandoned claim (it keeps its lease until it runs out)")
+
+    async def _claim_batch(self, calls: list[_ClaimCall]) -> list[Any]:
+        return await self._batch("claim", _P_CLAIM_MANY, calls, [list(column) for column in zip(*calls, strict=True)])
+
+    async def _complete_batch(self, calls: list[_CompleteCall]) -> list[Any]:
+        columns: list[list[Any]] = [list(column) for column in zip(*calls, strict=True)]
+        payloads = columns.pop()
+        channel = NOTIFY_CHANNEL if self.listen and self.announcing else None
+        rows = await self._batch("complete", _P_COMPLETE_MANY, calls, [*columns, channel, payloads])
+        return [row if isinstance(row, BaseException) else int(row["changed"]) for row in rows]
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         tenant, key, token = claim.record.tenant, claim.record.key, claim.token
         headers, body = self.codec.to_columns(tenant, key, response.headers, response.body)
         where = (datetime.fromtimestamp(claim.record.expires_at, UTC),) if self.layout == "daily" else ()
+        if self.batching:
+            async with self.measured("complete"):
+                changed = await self._completes.call((
+                    tenant, key, token, response.status, headers, body, response.body is not None, ttl, *where,
+                    self.watchers.message(tenant, key) if self.listen and self.announcing else None,
+                ))
+            return changed == 1
         return await self._change(
             "complete", _COMPLETE, tenant, key, token, response.status, headers,
             body, response.body is not None, ttl, *where,

@@ -33,7 +33,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from idemproxy.config import RedisConfig
 from idemproxy.metrics import Metrics
@@ -47,6 +48,7 @@ from idemproxy.store.base import (
     StoredResponse,
     new_token,
 )
+from idemproxy.store.batch import Batcher, follow_up
 from idemproxy.store.codec import PLAIN, Codec
 
 log = logging.getLogger("idemproxy.store.redis")
@@ -64,6 +66,8 @@ CLOSE_TIMEOUT = 2.0  # seconds any one shutdown step may take
 EPOCH_MIN_TTL = 600.0
 SUBSCRIBER_READ_TIMEOUT = 1.0  # how often the subscriber looks up from its socket to see if it should stop
 SUBSCRIBER_LIVE_WINDOW = 2.5  # seconds without a message or pong after which notifications count as lost
+PIPELINE_MAX = 256  # script calls in one pipeline
+PIPELINES_IN_FLIGHT = 2  # pipelines on the wire at once; calls made meanwhile go in the next one
 
 # Per (tenant, key) Redis holds a lock, a replay-cache entry and an epoch. The epoch is a random value an admin
 # release (forget) renews: a cache write carries the epoch its writer read *before* it read the durable store,
@@ -120,6 +124,9 @@ _FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
 # #3835; seen here as "'NoneType' object has no attribute 'writelines'" when a master is killed). On a cluster
 # these count as Redis failing too: the durable store answers instead of the request getting a 500.
 _CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError)
+
+
+_ScriptCall = tuple[Any, list[str], list[Any]]  # a registered script, its keys, its arguments
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,12 @@ class RedisFrontedStore(Store):
         self._claim_script = self.redis.register_script(_CLAIM)
         self._settle_script = self.redis.register_script(_SETTLE)
         self._forget_script = self.redis.register_script(_FORGET)
+        # Claims and settles of concurrent requests leave in one pipeline per loop turn (store/batch.py): one
+        # connection checkout, one write and one read for all of them. The cluster client spreads keys over
+        # nodes: there each call goes alone.
+        self._pipelines: Batcher[_ScriptCall, Any] | None = None if config.cluster else Batcher(
+            self._pipeline, max_batch=PIPELINE_MAX, max_in_flight=PIPELINES_IN_FLIGHT, abandoned=self._unlock)
+        self._unlocking: set[asyncio.Task[Any]] = set()
         self._down_until = 0.0
         self._degraded = False
         self._heard = float("-inf")  # when the subscriber last heard from Redis (monotonic)
@@ -213,6 +226,10 @@ class RedisFrontedStore(Store):
 
     async def close(self) -> None:
         self._closing.set()
+        if self._unlocking:
+            await asyncio.wait(set(self._unlocking), timeout=CLOSE_TIMEOUT)
+        if self._pipelines is not None:
+            await self._pipelines.close(CLOSE_TIMEOUT)
         if self._subscriber is not None:
             with contextlib.suppress(*self._errors):  # wake it now rather than at its next read timeout
                 await asyncio.wait_for(self.redis.publish(self.channel, b""), CLOSE_TIMEOUT)
@@ -280,6 +297,45 @@ class RedisFrontedStore(Store):
         prefix = self.config.key_prefix
         return [f"{prefix}{{{tag}}}:lock", f"{prefix}{{{tag}}}:resp", f"{prefix}{{{tag}}}:epoch"]
 
+    async def _script(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run a registered script: in the next pipeline, or alone on a cluster."""
+        if self._pipelines is None:
+            return await script(keys=keys, args=args)
+        return await self._pipelines.call((script, keys, args))
+
+    async def _pipeline(self, calls: list[_ScriptCall]) -> list[Any]:
+        """One pipeline of EVALSHAs; a call Redis answers with an error gets that error alone. Scripts Redis lost
+        (a restart) are loaded and their calls sent once more. Calls that queued behind a pipeline that failed
+        meanwhile fail at once (the breaker is open) rather than wait out another socket timeout."""
+        if time.monotonic() < self._down_until:
+            raise RedisConnectionError("redis is skipped for now (circuit breaker open)")
+        replies = await self._evalsha(calls)
+        lost = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if lost:
+            for script in {calls[n][0] for n in lost}:
+                await self.redis.script_load(script.script)
+            for n, reply in zip(lost, await self._evalsha([calls[n] for n in lost]), strict=True):
+                replies[n] = reply
+        return replies
+
+    async def _evalsha(self, calls: list[_ScriptCall]) -> list[Any]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
+
+    def _unlock(self, call: _ScriptCall, reply: Any) -> None:
+        """A claim whose caller was cancelled while its pipeline was on the wire: drop the lock it took, so the key
+        does not answer 409 for LOCK_MAX seconds with nobody behind it."""
+        script, keys, args = call
+        if script is not self._claim_script or not isinstance(reply, list) or reply[:1] != [b"acquired"]:
+            return
+        token = args[2]
+        follow_up(self._unlocking, self._script(
+            self._settle_script, keys, [token, b"", 1, self.channel, b"", UNKNOWN_EPOCH, "0"]),
+            "dropping an abandoned claim's Redis lock (it expires by itself)")
+
     @contextlib.asynccontextmanager
     async def _fast(self, operation: str) -> AsyncIterator[list[bool]]:
         """Run a Redis step; on any Redis error note it, open the breaker and carry on without it.
@@ -318,10 +374,10 @@ class RedisFrontedStore(Store):
                           lease: float) -> _Fast | None:
         async with self._fast("claim") as usable:
             if usable[0]:
-                reply = await self._claim_script(
-                    keys=self._keys(tenant, key),
-                    args=[f"{token} {fingerprint} {int((time.time() + lease) * 1000)}",
-                          int(min(lease, LOCK_MAX) * 1000), token, self._epoch_ms],  # token: a fresh epoch too
+                reply = await self._script(
+                    self._claim_script, self._keys(tenant, key),
+                    [f"{token} {fingerprint} {int((time.time() + lease) * 1000)}",
+                     int(min(lease, LOCK_MAX) * 1000), token, self._epoch_ms],  # token: a fresh epoch too
                 )
                 kind = reply[0].decode()
                 if kind == "completed":  # written only after the durable store completed: authoritative
@@ -391,11 +447,15 @@ class RedisFrontedStore(Store):
         cache_ms = max(1, int(min(self.config.replay_cache_ttl, ttl) * 1000))
         async with self._fast("settle") as usable:
             if usable[0]:
-                await self._settle_script(
-                    keys=self._keys(tenant, key),
-                    args=[token, payload, cache_ms, self.channel, self.watchers.message(tenant, key), epoch,
-                          "1" if publish else "0"],
+                await self._script(
+                    self._settle_script, self._keys(tenant, key),
+                    [token, payload, cache_ms, self.channel, self.watchers.message(tenant, key), epoch,
+                     "1" if publish else "0"],
                 )
+
+    def announce_completions(self, on: bool) -> None:
+        super().announce_completions(on)
+        self.durable.announce_completions(on)
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         done = await self.durable.complete(claim, response, ttl=ttl)
@@ -407,7 +467,8 @@ class RedisFrontedStore(Store):
                 response=response, completed_at=now, expires_at=now + ttl,
             ), self.codec)
         await self._settle(claim.record.tenant, claim.record.key, claim.token, payload=payload, ttl=ttl,
-                           epoch=UNKNOWN_EPOCH if claim.cache_epoch is None else claim.cache_epoch)
+                           epoch=UNKNOWN_EPOCH if claim.cache_epoch is None else claim.cache_epoch,
+                           publish=self.announcing)
         return done
 
     async def release(self, claim: Claim) -> bool:

@@ -1,0 +1,275 @@
+"""Group commit (store/batch.py): concurrent claims and completions share statements and pipelines, and still
+decide exactly as one call each would: one owner per key, a refused call fails alone, no deadlock between
+replicas, scripts Redis lost are loaded again."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+import redis as sync_redis
+
+from idemproxy.config import load_config
+from idemproxy.problems import StoreRejected, StoreUnavailable
+from idemproxy.store import StoredResponse
+from idemproxy.store.base import Watchers
+from idemproxy.store.batch import Batcher
+from idemproxy.store.postgres import BATCH_BYTES, BATCHES_IN_FLIGHT, NOTIFY_CHANNEL, PostgresStore
+from idemproxy.store.redis import RedisFrontedStore
+from tests.conftest import ProxyFactory, RunningProxy
+from tests.test_faults import durable
+from tests.test_partitions import store_on
+from tests.upstream import RecordingUpstream
+
+FP = "f" * 64
+OK = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
+CHARGE = {"amount": 1000, "currency": "eur"}
+
+
+@pytest.fixture
+async def pg_store(clean_pg: str) -> AsyncIterator[PostgresStore]:
+    store = store_on(clean_pg)
+    await store.open()
+    yield store
+    await store.close()
+
+
+def redis_errors(proxy: RunningProxy) -> float:
+    metric = proxy.proxy.metrics.store_errors
+    return sum(metric.labels("redis", op)._value.get() for op in ("claim", "settle"))
+
+
+async def test_the_batcher_groups_calls_of_one_loop_turn_and_fails_a_whole_batch_together() -> None:
+    sent: list[list[int]] = []
+    gate = asyncio.Event()
+
+    async def send(items: list[int]) -> list[int | BaseException]:
+        sent.append(items)
+        await gate.wait()
+        if 13 in items:
+            raise ConnectionError("cut")
+        return [item * 2 if item != 7 else ValueError("seven") for item in items]
+
+    batcher: Batcher[int, int] = Batcher(send, max_batch=4, max_in_flight=1)
+    first = [asyncio.ensure_future(batcher.call(n)) for n in range(6)]  # one turn: 4 go, 2 wait
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    later = [asyncio.ensure_future(batcher.call(n)) for n in (7, 13)]  # wait for the batch on the wire
+    await asyncio.sleep(0)
+    assert sent == [[0, 1, 2, 3]]
+    gate.set()
+    results = await asyncio.gather(*first, *later, return_exceptions=True)
+    assert sent == [[0, 1, 2, 3], [4, 5, 7, 13]]
+    assert results[:4] == [0, 2, 4, 6]
+    assert all(isinstance(r, ConnectionError) for r in results[4:])  # 13 cut the second batch: all of it
+
+
+async def test_claims_of_one_key_in_one_batch_make_one_owner(pg_store: PostgresStore) -> None:
+    assert pg_store.batching
+    calls = [pg_store.claim("t", "same", FP, lease=30, ttl=60) for _ in range(20)]
+    calls += [pg_store.claim("t", f"other-{n}", FP, lease=30, ttl=60) for n in range(20)]
+    claims = await asyncio.gather(*calls)
+    assert sum(c.owned for c in claims[:20]) == 1
+    assert all(c.owned for c in claims[20:])
+    assert pg_store._claims.batches < pg_store._claims.items  # they did share statements
+    owner = next(c for c in claims[:20] if c.owned)
+    assert {c.record.lease_token for c in claims[:20]} == {owner.token}  # the others saw the owner's record
+
+
+async def test_completions_in_one_batch_are_each_fenced(pg_store: PostgresStore) -> None:
+    claims = await asyncio.gather(*(pg_store.claim("t", f"k{n}", FP, lease=30, ttl=60) for n in range(10)))
+    stale = claims[0].record.lease_token
+    taken = await pg_store.claim("t", "k0", FP, lease=30, ttl=60)
+    assert not taken.owned and taken.record.lease_token == stale
+    forged = type(claims[1])(record=type(claims[1].record)(**{**claims[1].record.__dict__, "lease_token": "x"}),
+                             owned=True, now=claims[1].now)
+    done = await asyncio.gather(*(pg_store.complete(c, OK, ttl=60) for c in [forged, *claims[2:]]))
+    assert done == [False] + [True] * 8  # the forged token is refused, alone
+    assert (await pg_store.get("t", "k1")).state == "in_flight"  # type: ignore[union-attr]
+    assert (await pg_store.get("t", "k5")).response == OK  # type: ignore[union-attr]
+
+
+async def test_a_claim_postgresql_refuses_fails_alone_in_its_batch(pg_store: PostgresStore) -> None:
+    bad = pg_store.claim(secrets.token_urlsafe(3000), secrets.token_urlsafe(3000), FP, lease=30, ttl=60)
+    good = [pg_store.claim("t", f"good-{n}", FP, lease=30, ttl=60) for n in range(10)]
+    results = await asyncio.gather(bad, *good, return_exceptions=True)
+    assert isinstance(results[0], StoreRejected) and not isinstance(results[0], StoreUnavailable)
+    assert all(not isinstance(r, BaseException) and r.owned for r in results[1:]), results[1:]
+
+
+async def test_two_replicas_batching_the_same_keys_in_opposite_orders_never_deadlock(clean_pg: str) -> None:
+    """Each batch locks its keys in one global order; in queue order, two replicas' batches would deadlock
+    (PostgreSQL then aborts one: a 503 for every request in it)."""
+    one, two = store_on(clean_pg), store_on(clean_pg)
+    await one.open()
+    await two.open()
+    try:
+        for round_ in range(5):
+            keys = [f"r{round_}-k{n}" for n in range(60)]
+            results = await asyncio.gather(
+                *(one.claim("t", k, FP, lease=30, ttl=60) for k in keys),
+                *(two.claim("t", k, FP, lease=30, ttl=60) for k in reversed(keys)),
+                return_exceptions=True,
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            assert not errors, errors[:3]
+            owners: dict[str, int] = {}
+            for claim in results:
+                assert not isinstance(claim, BaseException)
+                owners[claim.record.key] = owners.get(claim.record.key, 0) + claim.owned
+            assert owners == dict.fromkeys(keys, 1)
+        assert one._claims.batches < one._claims.items and two._claims.batches < two._claims.items
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_concurrent_first_requests_share_statements_and_pipelines_and_execute_once(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("redis")
+    store = proxy.proxy.store
+    assert isinstance(store, RedisFrontedStore) and store._pipelines is not None
+    pg = durable(proxy)
+    before = pg.statements
+    answers = await asyncio.gather(*(proxy.post("/v1/charges", key=f"b-{n}", body=CHARGE) for n in range(60)))
+    assert [resp.status for resp, _ in answers] == [201] * 60
+    assert all(upstream.count(key=f"b-{n}") == 1 for n in range(60))
+    assert pg.statements - before < 120  # one claim and one completion each, unbatched
+    assert store._pipelines.batches < store._pipelines.items
+    replays = await asyncio.gather(*(proxy.post("/v1/charges", key=f"b-{n}", body=CHARGE) for n in range(60)))
+    assert all(resp.headers["Idempotent-Replayed"] == "true" and body == first[1]
+               for (resp, body), first in zip(replays, answers, strict=True))
+    assert len(upstream.executed) == 60
+
+
+async def test_scripts_redis_lost_are_loaded_again_in_a_pipeline(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, redis_url: str
+) -> None:
+    proxy = await make_proxy("redis")
+    resp, _ = await proxy.post("/v1/charges", key="warm", body=CHARGE)
+    assert resp.status == 201
+    sync_redis.Redis.from_url(redis_url).script_flush()
+    answers = await asyncio.gather(*(proxy.post("/v1/charges", key=f"s-{n}", body=CHARGE) for n in range(10)))
+    assert [resp.status for resp, _ in answers] == [201] * 10
+    assert redis_errors(proxy) == 0  # no call fell back to PostgreSQL alone: Redis answered every one
+    locked = [proxy.post("/v1/charges", key="s-0", body=CHARGE)]
+    (resp, _), = await asyncio.gather(*locked)
+    assert resp.headers["Idempotent-Replayed"] == "true"
+
+
+async def test_a_failed_batch_gives_each_caller_its_own_exception() -> None:
+    async def send(items: list[int]) -> list[int | BaseException]:
+        try:
+            raise OSError("cut")
+        except OSError as cut:
+            raise StoreUnavailable("down") from cut
+
+    batcher: Batcher[int, int] = Batcher(send)
+    results = await asyncio.gather(*(batcher.call(n) for n in range(3)), return_exceptions=True)
+    assert all(isinstance(r, StoreUnavailable) and isinstance(r.__cause__, OSError) for r in results)
+    assert len({id(r) for r in results}) == 3
+
+
+async def hold_key_locks(dsn: str, keys: list[str]) -> asyncpg.Connection:
+    """A session holding the per-key advisory locks the store's functions take: their calls wait on it."""
+    conn = await asyncpg.connect(dsn)
+    for key in keys:
+        await conn.execute("SELECT pg_advisory_lock(hashtextextended($1 || chr(31) || $2, 0))", "t", key)
+    return conn
+
+
+async def test_a_cancelled_claim_that_was_not_sent_yet_is_never_sent(pg_store: PostgresStore, clean_pg: str) -> None:
+    held = await hold_key_locks(clean_pg, [f"busy-{n}" for n in range(BATCHES_IN_FLIGHT)])
+    try:
+        busy = []
+        for n in range(BATCHES_IN_FLIGHT):  # one batch per loop turn, each waiting on its key's lock
+            busy.append(asyncio.ensure_future(pg_store.claim("t", f"busy-{n}", FP, lease=60, ttl=60)))
+            while pg_store._claims.batches < n + 1:
+                await asyncio.sleep(0)
+        queued = asyncio.ensure_future(pg_store.claim("t", "queued", FP, lease=60, ttl=60))
+        await asyncio.sleep(0)
+        queued.cancel()
+    finally:
+        await held.close()  # the locks go with the session
+    assert all(c.owned for c in await asyncio.gather(*busy))
+    assert pg_store._claims.items == BATCHES_IN_FLIGHT  # the cancelled call never left
+    assert await pg_store.get("t", "queued") is None  # never claimed: a retry owns it at once
+    assert (await pg_store.claim("t", "queued", FP, lease=60, ttl=60)).owned
+
+
+async def test_a_cancelled_claim_already_on_the_wire_is_released_when_it_lands(
+    pg_store: PostgresStore, clean_pg: str
+) -> None:
+    held = await hold_key_locks(clean_pg, ["busy"])
+    try:
+        busy = asyncio.ensure_future(pg_store.claim("t", "busy", FP, lease=60, ttl=60))
+        abandoned = asyncio.ensure_future(pg_store.claim("t", "abandoned", FP, lease=60, ttl=60))
+        while pg_store._claims.batches < 1:  # both left in one batch, which waits on busy's lock
+            await asyncio.sleep(0)
+        abandoned.cancel()
+    finally:
+        await held.close()
+    assert (await busy).owned
+    while pg_store._unclaiming or pg_store._claims._tasks:
+        await asyncio.wait(pg_store._unclaiming | pg_store._claims._tasks)
+    assert await pg_store.get("t", "abandoned") is None  # released, not left in flight for the whole lease
+
+
+async def test_batched_completions_are_not_announced_unless_someone_waits(clean_pg: str) -> None:
+    store = store_on(clean_pg)
+    store.listen = True  # PostgreSQL alone: its NOTIFY wakes waiters
+    store.announce_completions(False)
+    await store.open()
+    heard: list[str] = []
+    arrived = asyncio.Event()
+    listener = await asyncpg.connect(clean_pg)
+    await listener.add_listener(NOTIFY_CHANNEL, lambda *args: (heard.append(args[3]), arrived.set()))
+    try:
+        done, released = await asyncio.gather(*(store.claim("t", k, FP, lease=30, ttl=60) for k in ("d", "r")))
+        assert await store.complete(done, OK, ttl=60) and await store.release(released)
+        await arrived.wait()  # notifications come in commit order: the completion's would be first
+        assert heard == [Watchers.message("t", "r")]
+    finally:
+        await listener.close()
+        await store.close()
+
+
+async def test_completion_batches_stay_under_their_byte_cap(pg_store: PostgresStore) -> None:
+    big = StoredResponse(status=201, headers=(), body=b"x" * (BATCH_BYTES // 2 + 1))
+    claims = await asyncio.gather(*(pg_store.claim("t", f"big-{n}", FP, lease=30, ttl=60) for n in range(3)))
+    before = pg_store._completes.batches
+    assert await asyncio.gather(*(pg_store.complete(c, big, ttl=60) for c in claims)) == [True] * 3
+    assert pg_store._completes.batches - before == 3  # two of them together would pass the cap
+
+
+async def test_a_schema_without_the_batch_functions_goes_one_call_at_a_time(clean_pg: str) -> None:
+    """A schema last migrated by an older version (migrate: off) has only the per-key functions."""
+    await reopen(clean_pg)  # the schema, as a replica with migrate: auto makes it
+    conn = await asyncpg.connect(clean_pg)
+    await conn.execute("DROP FUNCTION IF EXISTS idemproxy_claim_many, idemproxy_complete_many")
+    await conn.close()
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"},
+                          "storage": {"postgres": {"dsn": clean_pg, "migrate": "off"}}})
+    assert config.storage.postgres is not None
+    store = PostgresStore(config.storage.postgres)
+    await store.open()
+    try:
+        assert not store.batching
+        claims = await asyncio.gather(*(store.claim("t", k, FP, lease=30, ttl=60) for k in ("a", "a", "b")))
+        assert [c.owned for c in claims].count(True) == 2  # one of the two "a", and "b"
+        assert await asyncio.gather(*(store.complete(c, OK, ttl=60) for c in claims if c.owned)) == [True, True]
+        assert store._claims.batches == 0 and store._completes.batches == 0
+    finally:
+        await store.close()
+        await reopen(clean_pg)  # the functions back for the tests after this one
+
+
+async def reopen(dsn: str) -> None:
+    """Open and close a store with migrate: auto (it creates or updates the schema and its functions)."""
+    store = store_on(dsn)
+    await store.open()
+    await store.close()
