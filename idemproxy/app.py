@@ -7,9 +7,9 @@ import contextlib
 import json
 import logging
 import os
+import random
 import re
 import signal
-import uuid
 from collections.abc import AsyncIterator
 from enum import StrEnum
 
@@ -19,7 +19,7 @@ from idemproxy.admin import AdminAPI
 from idemproxy.config import Config, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
-from idemproxy.problems import Handler, StoreUnavailable, problem_middleware
+from idemproxy.problems import StoreUnavailable, problem_middleware
 from idemproxy.proxy import HEADER_POLICY, REQUEST_ID, UPSTREAM_SERVER, HeaderPolicy, Upstreams
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
@@ -33,6 +33,16 @@ STORE_PROBE_INTERVAL = 10.0  # seconds between background store checks feeding i
 STORE_PROBE_TIMEOUT = 2.0  # a store that does not answer a ping within this is reported unavailable
 
 _WELL_FORMED_ID = re.compile(r"[\x21-\x7e]{1,128}")  # 1-128 visible ASCII characters
+
+# Request ids must be unique, not secret: a generator seeded from os.urandom (afresh in a forked child) makes
+# them without the system call per request that uuid4 (os.urandom) costs.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
+def new_request_id() -> str:
+    """128 random bits in hex, as ``uuid4().hex`` has (unique across processes; nobody relies on them secret)."""
+    return f"{_ids.getrandbits(128):032x}"
 
 
 class Phase(StrEnum):
@@ -135,7 +145,6 @@ class Proxy:
         """The public app; its cleanup context owns this Proxy's start and stop."""
         # auto_decompress off: a gzip request body must reach the upstream (and the fingerprint) as sent.
         app = web.Application(
-            middlewares=[self._request_id_middleware, problem_middleware],
             handler_args={"max_field_size": 16384, "auto_decompress": False},
         )
         app[PROXY] = self
@@ -145,7 +154,7 @@ class Proxy:
         )
         app.on_response_prepare.append(self._on_proxy_response)
         app.cleanup_ctx.append(self._lifecycle)
-        app.router.add_route("*", "/{tail:.*}", self.engine.handle)
+        app.router.add_route("*", "/{tail:.*}", self._serve)
         return app
 
     async def _lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
@@ -153,22 +162,31 @@ class Proxy:
         yield
         await self.stop()
 
-    @web.middleware
-    async def _request_id_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Keep a well-formed incoming request id, else make one; note whose Server header a response has."""
-        given = request.headers.getall(self.config.request_id.header, [])
-        well_formed = len(given) == 1 and _WELL_FORMED_ID.fullmatch(given[0])
-        request[REQUEST_ID] = given[0] if well_formed else uuid.uuid4().hex
-        response = await handler(request)
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        """The one handler of the proxy port: the request id, the engine, problems rendered.
+
+        A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
+        """
+        request[REQUEST_ID] = self._request_id(request)
+        response = await problem_middleware(request, self.engine.handle)
         if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
             request[UPSTREAM_SERVER] = "Server" in response.headers
         return response
 
+    def _request_id(self, request: web.BaseRequest) -> str:
+        """A well-formed incoming request id, else a new one: 128 random bits in hex, as uuid4().hex has."""
+        given = request.headers.getall(self.config.request_id.header, ())
+        if len(given) == 1 and _WELL_FORMED_ID.fullmatch(given[0]):
+            return given[0]
+        return new_request_id()
+
     async def _on_proxy_response(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
         """Every response of the proxy port: the request id, and no aiohttp banner (only the upstream's own)."""
         _strip_server_banner(request, response)
-        if REQUEST_ID in request:
-            response.headers[self.config.request_id.header] = request[REQUEST_ID]
+        request_id = request.get(REQUEST_ID)
+        if request_id is None:  # an answer aiohttp made before the handler ran (404 for "OPTIONS *")
+            request_id = request[REQUEST_ID] = self._request_id(request)
+        response.headers[self.config.request_id.header] = request_id
 
     def admin_app(self) -> web.Application:
         app = web.Application(middlewares=[problem_middleware])

@@ -52,6 +52,7 @@ from idemproxy.problems import (
 from idemproxy.proxy import (
     CHUNK,
     REQUEST_ID,
+    SMALL_BODY,
     Upstream,
     Upstreams,
     client_response_headers,
@@ -111,7 +112,7 @@ def parse_key(values: list[str], max_length: int) -> str:
         raise InvalidKey("The idempotency key is empty.")
     if len(key) > max_length:
         raise InvalidKey(f"The idempotency key is longer than {max_length} characters.")
-    if not all(" " <= ch <= "~" for ch in key):
+    if not (key.isascii() and key.isprintable()):  # exactly " " to "~"
         raise InvalidKey("The idempotency key must be printable ASCII.")
     return key
 
@@ -198,12 +199,12 @@ class Engine:
 
     def _observe(self, request: web.Request, route: str, ex: _Exchange, started: float) -> None:
         total = time.perf_counter() - started
-        requests, duration, overhead = self.metrics.per_request(route, request.method, ex.outcome)
-        requests.inc()
-        duration.observe(total)
-        overhead.observe(max(total - ex.upstream_seconds, 0.0))
+        counted = self.metrics.per_request(route, request.method, ex.outcome)
+        counted.count()
+        counted.duration(total)
+        counted.overhead(max(total - ex.upstream_seconds, 0.0))
         if ex.upstream_seconds:
-            self.metrics.upstream_duration.observe(ex.upstream_seconds)
+            self.metrics.observe_upstream(ex.upstream_seconds)
         if self._access_level is None or not access_log.isEnabledFor(self._access_level):
             return
         access_log.log(
@@ -236,7 +237,13 @@ class Engine:
 
     async def _passthrough(self, request: web.Request, ex: _Exchange) -> web.StreamResponse:
         ex.outcome = "passthrough"
-        return await self._timed_upstream(ex, lambda: ex.upstream.passthrough(request))
+        if self.tracer.enabled:
+            return await self._timed_upstream(ex, lambda: ex.upstream.passthrough(request))
+        started = time.perf_counter()  # _timed_upstream without its span, lambda and coroutine
+        try:
+            return await ex.upstream.passthrough(request)
+        finally:
+            ex.upstream_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------------ covered requests
 
@@ -632,6 +639,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
+    if declared is not None and declared <= SMALL_BODY:  # (below aiohttp's client_max_size: read() takes it)
+        return await request.read()  # one call instead of an iterator that ends in StopAsyncIteration
     parts: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_chunked(CHUNK):

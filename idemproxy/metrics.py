@@ -7,7 +7,8 @@ Each app owns a registry so that several proxies in one process (tests) do not m
 from __future__ import annotations
 
 import os
-from typing import Any
+from bisect import bisect_left
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -29,7 +30,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
+        self._children: dict[tuple[str, str, str], RequestMetrics] = {}
         r = self.registry
         self.requests = Counter(
             "idemproxy_requests", "Requests by route, method and outcome",
@@ -47,6 +48,7 @@ class Metrics:
             "idemproxy_upstream_duration_seconds", "Time waiting on the upstream",
             buckets=BUCKETS, registry=r,
         )
+        self.observe_upstream = observer(self.upstream_duration)
         self.store_duration = Histogram(
             "idemproxy_store_duration_seconds", "Store operation latency",
             ["backend", "operation"], buckets=BUCKETS, registry=r,
@@ -95,7 +97,7 @@ class Metrics:
             registry=r, multiprocess_mode="livemax",
         )
 
-    def per_request(self, route: str, method: str, outcome: str) -> tuple[Any, Any, Any]:
+    def per_request(self, route: str, method: str, outcome: str) -> RequestMetrics:
         """The labelled children every request updates, looked up once per label set (``labels()`` costs a
         lock and a dict lookup each time; methods, routes and outcomes are few)."""
         key = (route, method, outcome)
@@ -103,7 +105,7 @@ class Metrics:
         if children is None:
             if len(self._children) >= 1024:  # odd methods from hostile clients: do not grow without bound
                 self._children.clear()
-            children = self._children[key] = (
+            children = self._children[key] = RequestMetrics(
                 self.requests.labels(route, method, outcome),
                 self.request_duration.labels(outcome),
                 self.overhead.labels(outcome),
@@ -117,3 +119,46 @@ class Metrics:
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+class RequestMetrics:
+    """What one request counts, for one (route, method, outcome): the request, its duration, its overhead."""
+
+    __slots__ = ("count", "duration", "overhead")
+
+    def __init__(self, requests: Counter, duration: Histogram, overhead: Histogram) -> None:
+        self.count = incrementer(requests)
+        self.duration = observer(duration)
+        self.overhead = observer(overhead)
+
+
+# Every request updates three or four metrics; prometheus-client's public methods check on each call what a
+# child of a label set always passes, and walk the buckets in Python. The shortcuts below update the very same
+# values (plain or multiprocess), and fall back to the public methods where the private names are missing.
+
+
+def incrementer(counter: Counter) -> Callable[[], None]:
+    """``counter.inc()`` for a counter without labels or a labelled child."""
+    value = getattr(counter, "_value", None)
+    if value is None or not hasattr(value, "inc"):
+        return counter.inc
+
+    def inc() -> None:
+        value.inc(1)
+
+    return inc
+
+
+def observer(histogram: Histogram) -> Callable[[float], None]:
+    """``histogram.observe`` for a histogram without labels or a labelled child (no exemplars), for the
+    finite durations the proxy measures: the bucket is found by bisection, as the first bound >= amount."""
+    bounds, buckets, total = (getattr(histogram, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        return histogram.observe
+    upper = list(bounds)
+
+    def observe(amount: float) -> None:
+        total.inc(amount)
+        buckets[bisect_left(upper, amount)].inc(1)
+
+    return observe

@@ -6,6 +6,7 @@ proxy with bytes sent over a real socket."""
 from __future__ import annotations
 
 import codecs
+import decimal
 import json
 import random
 import re
@@ -354,6 +355,19 @@ def test_nesting_has_a_fixed_cap_whatever_the_callers_stack() -> None:
         assert at_stack_depth(frames, lambda: canonical_json(nested(900))) is None
     assert canonical_json(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is not None
     assert canonical_json(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)) is None
+
+
+@pytest.mark.parametrize("context", [
+    decimal.Context(traps=[]),  # an exponent no Decimal holds would quietly become NaN
+    decimal.Context(capitals=0),  # 1e2 would be written 1e+2
+    decimal.Context(prec=3, Emax=5, Emin=-5, traps=[decimal.Overflow, decimal.InvalidOperation]),
+])
+def test_the_threads_decimal_context_changes_no_canonical_form(context: decimal.Context) -> None:
+    bodies = [b'[1e2, 0.5, 123456789.123456789, -0, 1E-7]', b'[1e999999999999999999999]', b'{"a": 1e1000000}']
+    expected = [canonical_json(body) for body in bodies]
+    assert expected[0] == b"[1E+2,0.5,123456789.123456789,-0,1E-7]" and expected[1] is None
+    with decimal.localcontext(context):
+        assert [canonical_json(body) for body in bodies] == expected
 
 
 def test_ordinary_bodies_keep_the_fingerprint_they_had_before_issue_14() -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import re
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from idemproxy.app import new_request_id
 from tests.conftest import ProxyFactory, RunningProxy, recording_upstream
 from tests.upstream import RecordingUpstream
 
@@ -134,6 +138,23 @@ async def test_a_missing_or_malformed_request_id_is_replaced(
     assert upstream.executed[0].headers.getall("X-Request-Id") == [generated]
     other, _ = await proxy.post("/r", method="GET", tenant=None, headers=headers)
     assert other.headers["X-Request-Id"] != generated
+
+
+def test_generated_request_ids_differ_in_a_forked_child_and_its_parent() -> None:
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # 3.12+ warns of fork() in a process with threads; the child only writes
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    parent = new_request_id()
+    assert re.fullmatch("[0-9a-f]{32}", parent) and re.fullmatch("[0-9a-f]{32}", child)
+    assert child != parent
 
 
 async def test_replays_and_problems_carry_the_request_id(

@@ -11,6 +11,7 @@ import pytest
 from yarl import URL
 
 from tests.conftest import ProxyFactory
+from tests.rawhttp import build_request, send_raw
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream
 
@@ -66,6 +67,25 @@ async def test_hop_by_hop_headers_are_dropped_both_ways(
     assert "X-Up-Private" not in resp.headers
     assert "Keep-Alive" not in resp.headers
     assert resp.headers["X-Custom"] == "kept"
+
+
+@pytest.mark.parametrize("key", [None, "auto-1"])
+async def test_the_upstream_gets_no_header_the_client_did_not_send(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, key: str | None
+) -> None:
+    """aiohttp's client adds User-Agent, Accept, Accept-Encoding and a Content-Type of its own unless told not to."""
+    proxy = await make_proxy("embedded", tenant={"from": "static"})
+    sent = [(b"Idempotency-Key", key.encode())] if key else []
+    await send_raw(proxy.url, build_request(b"POST", b"/auto", sent, b"\x00raw bytes"))
+    await send_raw(proxy.url, build_request(b"POST", b"/auto", [
+        (b"User-Agent", b"client/1"), (b"Accept", b"text/csv"), (b"Accept-Encoding", b"identity"),
+        (b"Content-Type", b"application/x-thing")], b"more"))
+    bare, dressed = (e.headers for e in upstream.executed)
+    for name in ("User-Agent", "Accept", "Accept-Encoding", "Content-Type"):
+        assert name not in bare, name
+    assert [(n, dressed.getall(n)) for n in ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")] == [
+        ("User-Agent", ["client/1"]), ("Accept", ["text/csv"]), ("Accept-Encoding", ["identity"]),
+        ("Content-Type", ["application/x-thing"])]
 
 
 async def test_forwarded_headers_are_set_and_appended(
