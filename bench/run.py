@@ -228,10 +228,39 @@ async def stores(workdir: Path) -> tuple[dict[str, Any], list[int], Callable[[],
     return sections, store_pids, cleanup
 
 
-def proxy_config(upstream: str, storage: dict[str, Any]) -> dict[str, Any]:
+def proxy_config(upstream: str, storage: dict[str, Any], workers: int = 1) -> dict[str, Any]:
     return {"upstream": {"url": upstream}, "storage": storage, "tenant": {"from": "static"},
             "routes": [{"prefix": "/plain", "enabled": False}],
-            "log": {"access": "off", "level": "warning"}, "drain_delay": "0s"}
+            "log": {"access": "off", "level": "warning"}, "drain_delay": "0s", "workers": workers}
+
+
+# Where a sample's CPU goes: the innermost frame of its stack that names one of these (aiohttp's writer, streams and
+# asyncio itself serve every part, so they are passed over for the frame that called them).
+COMPONENTS = (
+    ("PostgreSQL (asyncpg, store/postgres.py)", ("asyncpg/", "store/postgres.py")),
+    ("Redis (redis-py, store/redis.py)", ("/redis/", "hiredis", "store/redis.py")),
+    ("embedded store (SQLite thread)", ("store/embedded.py", "concurrent/futures")),
+    ("group commit (store/batch.py)", ("store/batch.py",)),
+    ("fingerprint", ("fingerprint.py", "json/")),
+    ("metrics", ("prometheus_client/", "metrics.py")),
+    ("logging", ("logging/", "logs.py")),
+    ("upstream client (aiohttp client)", ("aiohttp/client", "aiohttp/connector", "proxy.py")),
+    ("server (aiohttp web)", ("aiohttp/web_",)),
+    ("engine (engine, settle, replays, app)", ("idemproxy/",)),
+)
+GENERIC = ("aiohttp/http_writer", "aiohttp/streams", "aiohttp/base_protocol", "aiohttp/helpers", "asyncio/",
+           "contextlib", "dataclasses", "_weakrefset", "functools", "abc>", "enum", "idemproxy/cli.py",
+           "idemproxy/__main__.py", "runpy", "threading.py")
+
+
+def component(stack: list[str]) -> str:
+    for frame in reversed(stack):
+        if any(marker in frame for marker in GENERIC):
+            continue
+        for name, markers in COMPONENTS:
+            if any(marker in frame for marker in markers):
+                return name
+    return "event loop and the rest (uvloop, socket calls from generic frames)"
 
 
 def profile(target: Target, seconds: float, script: Path, workdir: Path) -> None:
@@ -240,18 +269,24 @@ def profile(target: Target, seconds: float, script: Path, workdir: Path) -> None
     spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw", "-r", "500",
                             "-o", str(out), "-d", f"{seconds:g}", "-p", str(target.pids()[0])],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    run_wrk(target, seconds, script, [])
+    target.rounds.append(run_wrk(target, seconds, script, []))  # py-spy's own sampling costs are in this figure
     spy.wait(seconds + 30)
     own: dict[str, int] = {}
     inclusive: dict[str, int] = {}
+    parts: dict[str, int] = {}
     total = 0
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        parts[component(stack.split(";"))] = parts.get(component(stack.split(";")), 0) + int(count)
         frames = [f.split(" (")[0] + " " + f.split("/")[-1].rstrip(")") for f in stack.split(";")]
         total += int(count)
         own[frames[-1]] = own.get(frames[-1], 0) + int(count)
         for frame in set(frames):
             inclusive[frame] = inclusive.get(frame, 0) + int(count)
+    cpu_us = target.rounds[-1]["cpu_us"] if target.rounds else 0.0
+    print(f"\nby component ({target.name}, {total} samples; CPU per request {cpu_us:.0f} µs):")
+    for name, count in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"  {100 * count / total:5.1f}%  {cpu_us * count / total:6.0f} µs  {name}")
     limit = int(os.environ.get("IDEMPROXY_PROFILE_TOP", "25"))
     for title, table in (("self", own), ("inclusive", inclusive)):
         print(f"\n{title} time, top {limit} of {total} samples ({target.name}):")
@@ -280,6 +315,9 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--rate-seconds", type=float, default=5.0, help="open-loop latency run per path")
     parser.add_argument("--only", help="comma-separated targets to measure (the reference always runs)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes of the Redis + PostgreSQL and PostgreSQL proxies (default 1; the "
+                             "embedded store is single-process; the reference always runs one)")
     parser.add_argument("--profile", metavar="TARGET",
                         help="instead: run py-spy on TARGET's proxy under wrk load and print where its CPU goes")
     args = parser.parse_args()
@@ -290,7 +328,8 @@ async def main() -> None:
         sections, store_pids, cleanup = await stores(workdir)
         up_port, ref_port = free_port(), free_port()
         upstream = f"http://127.0.0.1:{up_port}"
-        proxies = {name: ProxyProcess(proxy_config(upstream, sections[name]), workdir, name=name)
+        proxies = {name: ProxyProcess(proxy_config(upstream, sections[name],
+                                              args.workers if name != "embedded" else 1), workdir, name=name)
                    for name in ("redis", "postgres", "embedded")}
         try:
             with process("bench/upstream.py", port=up_port), \

@@ -1,0 +1,93 @@
+"""Memory under many pending keys: the proxy's resident set while N first requests wait on a slow upstream.
+
+    .venv/bin/python bench/memory.py [--keys 10000] [--delay 8] [--store redis|embedded]
+
+Starts the benchmark upstream (bench/upstream.py, which holds each request ``--delay`` seconds), idemproxy on Redis +
+PostgreSQL (or the embedded store) and the stores as bench/run.py does, then sends ``--keys`` first requests with
+distinct keys at once, so that every key is claimed and pending (in flight) together. Reports the proxy's RSS at rest,
+its peak (VmHWM) while the keys are pending, the peak's cost per pending key, RSS after they completed, and what the
+clients got. Run it after a change to the request path or the stores; the figures go to docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import BODY, ROOT, process, proxy_config, stores
+
+sys.path.insert(0, str(ROOT))
+from tests.proxyproc import ProxyProcess
+from tests.servers import free_port
+
+
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--keys", type=int, default=10_000, help="first requests pending at once (default 10000)")
+    parser.add_argument("--delay", type=float, default=8.0, help="seconds the upstream holds each (default 8)")
+    parser.add_argument("--store", choices=("redis", "embedded"), default="redis")
+    parser.add_argument("--max-connections", type=int, default=512,
+                        help="upstream.max_connections (default 512, the product's): keys beyond it wait for a "
+                             "connection, still claimed")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="idemproxy-memory-") as tmp:
+        workdir = Path(tmp)
+        sections, _, cleanup = await stores(workdir)
+        up_port = free_port()
+        config = proxy_config(f"http://127.0.0.1:{up_port}", sections[args.store])
+        config["upstream"]["max_connections"] = args.max_connections
+        proxy = ProxyProcess(config, workdir, name="memory")
+        try:
+            with process("bench/upstream.py", port=up_port):
+                await proxy.start()
+                assert proxy.proc is not None
+                pid = proxy.proc.pid
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                 timeout=aiohttp.ClientTimeout(total=None)) as session:
+                    async def one(key: str, delay: float) -> int:
+                        headers = {"Content-Type": "application/json", "Idempotency-Key": key,
+                                   "X-Bench-Delay": str(delay)}
+                        async with session.post(proxy.url + "/v1/charges", data=BODY, headers=headers) as resp:
+                            await resp.read()
+                            return resp.status
+
+                    await asyncio.gather(*(one(f"warm-{n}", 0) for n in range(200)))  # pools and caches warm
+                    at_rest = rss_bytes(pid)
+                    mib = 2**20
+                    print(f"{args.keys} first requests pending at once, three times ({args.store} store, "
+                          f"upstream holds each {args.delay:g} s, upstream.max_connections {args.max_connections}); "
+                          f"proxy RSS at rest {at_rest / mib:.1f} MiB")
+                    for burst in (1, 2, 3):  # a leak grows each burst's peak; memory kept for reuse does not
+                        started = time.perf_counter()
+                        pending = [asyncio.ensure_future(one(f"pending-{burst}-{n}", args.delay))
+                                   for n in range(args.keys)]
+                        statuses = Counter(await asyncio.gather(*pending))
+                        took = time.perf_counter() - started
+                        peak = rss_bytes(pid, "VmHWM")
+                        await asyncio.sleep(1.0)
+                        print(f"  burst {burst}: answered in {took:.1f} s {dict(statuses)}; peak RSS {peak / mib:.1f} "
+                              f"MiB (+{(peak - at_rest) / args.keys / 1024:.1f} KiB per pending key), afterwards "
+                              f"{rss_bytes(pid) / mib:.1f} MiB")
+        finally:
+            proxy.stop()
+            await asyncio.to_thread(cleanup)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
