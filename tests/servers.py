@@ -17,6 +17,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RUN_AS = "nobody"
@@ -234,6 +235,10 @@ class RedisClusterServers:
         subprocess.run([self.cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas),
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
         self.wait_ok()
+        # Slots served is not roles known: for a moment a node may still list a new replica as a master.
+        masters = len(self.ports) // (1 + self.replicas)
+        self._wait_until(lambda: all(len(self._masters_seen_by(port)) == masters for port in self.procs),
+                         "every node did not see the cluster's masters and replicas")
 
     def info(self, port: int, command: str = "CLUSTER INFO") -> str:
         result = subprocess.run([self.cli, "-p", str(port), *command.split()], capture_output=True, timeout=10)
@@ -241,16 +246,23 @@ class RedisClusterServers:
 
     def wait_ok(self, timeout: float = 30) -> None:
         """Until every live node says cluster_state:ok (all slots served)."""
+        self._wait_until(lambda: all("cluster_state:ok" in self.info(port) for port in self.procs),
+                         "the cluster did not reach cluster_state:ok", timeout)
+
+    @staticmethod
+    def _wait_until(condition: Callable[[], bool], failure: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in self.info(port) for port in self.procs):
+            if condition():
                 return
             time.sleep(0.1)
-        raise RuntimeError("the cluster did not reach cluster_state:ok")
+        raise RuntimeError(failure)
 
     def masters(self) -> list[int]:
         """Ports of the live masters (as the first live node sees them)."""
-        port = next(iter(self.procs))
+        return self._masters_seen_by(next(iter(self.procs)))
+
+    def _masters_seen_by(self, port: int) -> list[int]:
         lines = self.info(port, "CLUSTER NODES").splitlines()
         return [int(line.split()[1].split("@")[0].rsplit(":", 1)[1]) for line in lines
                 if "master" in line.split()[2] and "fail" not in line.split()[2]]

@@ -216,6 +216,7 @@ class RedisFrontedStore(Store):
         self._heard = float("-inf")  # when the subscriber last heard from Redis (monotonic)
         self._epoch_ms = int(max(config.replay_cache_ttl, EPOCH_MIN_TTL) * 1000)
         self._subscriber: asyncio.Task[None] | None = None
+        self._listening: Any = None  # the client whose connection the subscriber reads (a plain one, per node)
         self._closing = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -231,8 +232,14 @@ class RedisFrontedStore(Store):
         if self._pipelines is not None:
             await self._pipelines.close(CLOSE_TIMEOUT)
         if self._subscriber is not None:
-            with contextlib.suppress(*self._errors):  # wake it now rather than at its next read timeout
-                await asyncio.wait_for(self.redis.publish(self.channel, b""), CLOSE_TIMEOUT)
+            # Wake it now rather than at its next read timeout, through the client it listens with. On a cluster
+            # that is a plain client to one node: a publish through the cluster client can stall in a topology
+            # refresh, and a refresh cut short by the timeout leaves sockets of redis-py's temporary nodes open.
+            # No listening client: the subscriber is backing off, and wakes at once on the flag.
+            wake = self._listening
+            if wake is not None:
+                with contextlib.suppress(*self._errors):
+                    await asyncio.wait_for(wake.publish(self.channel, b""), CLOSE_TIMEOUT)
             # The subscriber notices the flag within one read timeout and ends by itself: redis-py's pub/sub
             # read can swallow a cancellation, and a task that outlives its loop hangs the process's exit.
             await asyncio.wait({self._subscriber}, timeout=SUBSCRIBER_READ_TIMEOUT + CLOSE_TIMEOUT)
@@ -264,6 +271,7 @@ class RedisFrontedStore(Store):
             client, pubsub = None, None
             try:
                 client, pubsub = await self._pubsub(attempt)
+                self._listening = self.redis if client is None else client
                 await pubsub.subscribe(self.channel)
                 await pubsub.ping()  # its pong proves the subscription is in place
                 resumed = False
@@ -283,6 +291,7 @@ class RedisFrontedStore(Store):
                 with contextlib.suppress(TimeoutError):  # back off, but wake at once on close
                     await asyncio.wait_for(self._closing.wait(), BREAKER_COOLDOWN)
             finally:
+                self._listening = None
                 with contextlib.suppress(*self._errors):
                     if pubsub is not None:
                         await pubsub.aclose()
