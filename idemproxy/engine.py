@@ -26,10 +26,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from idemproxy.client import UpstreamResponse
 from idemproxy.config import LEASE_MARGIN, TENANT_MAX_BYTES, Config, IdempotencyConfig
 from idemproxy.fingerprint import fingerprint
 from idemproxy.metrics import Metrics
@@ -94,7 +94,7 @@ class _Exchange:
 class _Forwarded:
     """The upstream's answer after the record was settled."""
 
-    upstream: aiohttp.ClientResponse
+    upstream: UpstreamResponse
     head: bytes
     complete: bool
 
@@ -457,16 +457,19 @@ class Engine:
             budget = min(ex.upstream.config.timeout, claim.lease_left() - LEASE_MARGIN)
             if budget <= 0:  # the claim itself took most of the lease: never forward into a takeover
                 raise StoreUnavailable("The idempotency store answered too slowly; nothing was sent.")
-            ex.upstream.url(request)
+            ex.upstream.target(request)
         except BaseException:
             await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
             raise
         started = time.perf_counter()
         try:
             with self.tracer.span("idemproxy.forward", client=True) as span, upstream_errors():
-                async with asyncio.timeout(budget):
-                    upstream = await ex.upstream.send(request, headers, body)
-                    head, complete = await read_at_most(upstream, idem.max_stored_response)
+                # The budget bounds the exchange and the body's reads; spent before a byte left, the key is
+                # released as "nothing sent" (UpstreamUnreachable), after, the outcome is unknown.
+                upstream = await ex.upstream.send(request, headers, body, timeout=budget)
+                head, complete = await read_at_most(upstream, idem.max_stored_response)
+                if complete:
+                    upstream.release()  # read whole: its connection serves others while the answer is stored
                 span.set_attribute(HTTP_STATUS, upstream.status)
         except (UpstreamUnreachable, BadRequest):  # nothing was sent
             await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
@@ -490,7 +493,7 @@ class Engine:
         return _Forwarded(upstream=upstream, head=head, complete=complete)
 
     async def _settle_answer(
-        self, claim: Claim, idem: IdempotencyConfig, upstream: aiohttp.ClientResponse,
+        self, claim: Claim, idem: IdempotencyConfig, upstream: UpstreamResponse,
         head: bytes, complete: bool, request_id: str = "",
     ) -> web.Response | None:
         """Complete or release per the outcome table; a refused completion returns what the record says."""
@@ -603,7 +606,7 @@ def _annotate(span: Span, ex: _Exchange) -> None:
 
 
 def replay_headers(
-    upstream: aiohttp.ClientResponse, idem: IdempotencyConfig, request_id: str = ""
+    upstream: UpstreamResponse, idem: IdempotencyConfig, request_id: str = ""
 ) -> CIMultiDict[str]:
     """The headers a replay may carry: no hop-by-hop, Date, Content-Length or stripped names; plus the
     executing request's id as Original-Request-Id (only replays carry it: the live answer is not built

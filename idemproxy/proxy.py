@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import aiohttp
-from aiohttp import hdrs, web
-from multidict import CIMultiDict, CIMultiDictProxy, istr
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from idemproxy.client import ConnectionPool, HeaderInjection, UpstreamConnectError, UpstreamResponse
 from idemproxy.config import Config, IPNetwork, RouteConfig, UpstreamConfig
 from idemproxy.problems import BadRequest, UpstreamReset, UpstreamTimeout, UpstreamUnreachable
 from idemproxy.tracing import Tracer
@@ -128,13 +129,13 @@ def request_target(request: web.Request) -> str:
     return url.raw_path_qs
 
 
-def client_response_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+def client_response_headers(upstream: UpstreamResponse) -> CIMultiDict[str]:
     # Content-Length is set again by whoever writes the body.
     return filter_headers(upstream.headers, drop=_CONTENT_LENGTH)
 
 
 def upstream_errors() -> _UpstreamErrors:
-    """Translate aiohttp client errors into problems, telling "nothing was sent" from "outcome unknown".
+    """Translate client errors into problems, telling "nothing was sent" from "outcome unknown".
 
     UpstreamUnreachable means the request certainly never reached the upstream (connect failed or timed
     out); UpstreamTimeout and UpstreamReset mean it may have been executed.
@@ -153,93 +154,62 @@ class _UpstreamErrors:
     ) -> None:
         if exc is None:
             return
-        if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        if isinstance(exc, UpstreamConnectError):
             raise UpstreamUnreachable("The upstream could not be reached; nothing was sent.") from exc
-        if isinstance(exc, aiohttp.InvalidURL):  # refused before anything was sent
-            raise BadRequest("The request target cannot be forwarded.") from exc
-        if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        if isinstance(exc, TimeoutError):
             raise UpstreamTimeout("The upstream did not answer in time.") from exc
-        if isinstance(exc, aiohttp.ClientError | OSError):
+        if isinstance(exc, aiohttp.ClientError | OSError):  # (aiohttp's: a client's streamed body that broke)
             raise UpstreamReset("The upstream connection broke before a full answer.") from exc
 
 
 _UPSTREAM_ERRORS = _UpstreamErrors()
 
 
-# Headers aiohttp would add to (or, for Content-Type, fill in on) a forwarded request: the upstream gets the
-# client's, nothing of the proxy's own.
-SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
-_SKIPPED_NAMES = frozenset(istr(name) for name in SKIP_AUTO_HEADERS)
-_SKIPPED: CIMultiDict[None] = CIMultiDict((name, None) for name in sorted(_SKIPPED_NAMES))
-_SKIPS_EVERY_DEFAULT = all(name in _SKIPPED for name in (*aiohttp.ClientRequest.DEFAULT_HEADERS, hdrs.USER_AGENT))
-
-
-class _ForwardedRequest(aiohttp.ClientRequest):
-    """aiohttp's client request, minus the copy of every header that ``update_auto_headers`` makes per request
-    to add defaults this proxy skips anyway: when the skipped names cover them all, nothing is added either
-    way, and only the skip list (read again for the body's Content-Type) is left to set."""
-
-    def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
-        if not _SKIPS_EVERY_DEFAULT or skip_auto_headers != _SKIPPED_NAMES:
-            super().update_auto_headers(skip_auto_headers)
-            return
-        self._skip_auto_headers = _SKIPPED  # (never changed by aiohttp, so one copy serves every request)
-
-
 class Upstream:
-    """One pooled client session to the upstream."""
+    """One connection pool to the upstream (``idemproxy.client``)."""
 
     def __init__(self, config: UpstreamConfig, tracer: Tracer | None = None) -> None:
         self.config = config
         self.base = config.url
         self.tracer = tracer if tracer is not None else Tracer()
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: ConnectionPool | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self.config.max_connections, ttl_dns_cache=60)
-        session = self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,  # bytes pass through as the upstream encoded them
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=self.config.connect_timeout, sock_read=self.config.timeout
-            ),
-            skip_auto_headers=SKIP_AUTO_HEADERS,
-            request_class=_ForwardedRequest,
-            cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must never keep or replay cookies itself
+        self._pool = ConnectionPool(
+            self.config.url, limit=self.config.max_connections,
+            connect_timeout=self.config.connect_timeout, read_timeout=self.config.timeout,
         )
-        # aiohttp resends PUT/DELETE/GET/HEAD/OPTIONS once when a pooled connection drops: the upstream may have
-        # executed the first one (guarantee 6, RFC 9110 §9.2.2). No public switch exists; fail loudly if the
-        # private one goes away rather than retry silently.
-        if not hasattr(session, "_retry_connection"):
-            raise RuntimeError("this aiohttp version cannot turn off client retries; pin aiohttp<3.15")
-        session._retry_connection = False
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            await self._pool.close()
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "Upstream.open() was not awaited"
-        return self._session
+    def pool(self) -> ConnectionPool:
+        assert self._pool is not None, "Upstream.open() was not awaited"
+        return self._pool
 
-    def url(self, request: web.Request) -> URL:
-        # The request target exactly as the client sent it: path and query byte for byte.
-        try:
-            return URL(self.base + request_target(request), encoded=True)
-        except ValueError as exc:
-            raise BadRequest("The request target cannot be forwarded.") from exc
+    @staticmethod
+    def target(request: web.Request) -> str:
+        """The request target exactly as the client sent it (path and query byte for byte), or 400."""
+        target = request_target(request)
+        if " " in target or "\r" in target or "\n" in target:
+            raise BadRequest("The request target cannot be forwarded.")
+        return target
 
     async def send(
-        self, request: web.Request, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None
-    ) -> aiohttp.ClientResponse:
-        """Send the request (never retried here: RFC 9110 §9.2.2) and return the response head."""
+        self, request: web.Request, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None,
+        timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """Send the request (never retried: RFC 9110 §9.2.2) and return the response head. ``timeout`` bounds
+        the exchange and the body's reads (``ConnectionPool.request``)."""
         self.tracer.inject(headers)  # tracing on: the upstream continues the trace under the current span
+        target = self.target(request)
         with upstream_errors():
-            return await self.session.request(
-                request.method, self.url(request), headers=headers, data=body,
-                allow_redirects=False, compress=None, chunked=None,
-            )
+            try:
+                return await self.pool.request(request.method, target, headers, body, timeout)
+            except HeaderInjection as exc:  # refused before anything was sent
+                raise BadRequest("The request cannot be forwarded: a header holds a line break.") from exc
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Plain reverse proxy. Bodies up to SMALL_BODY bytes (declared) are read whole and sent in one write:
@@ -292,7 +262,7 @@ class Upstreams:
             await upstream.close()
 
 
-def _small_answer(request: web.Request, upstream: aiohttp.ClientResponse) -> bool:
+def _small_answer(request: web.Request, upstream: UpstreamResponse) -> bool:
     """A response with a declared small body (HEAD, 204 and 304 keep the streaming path's header handling)."""
     length = upstream.content_length
     return (length is not None and length <= SMALL_BODY and request.method != "HEAD"
@@ -306,7 +276,7 @@ async def _stream_body(request: web.Request) -> AsyncIterator[bytes]:
 
 async def stream_response(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     *,
     head: bytes = b"",
     extra_headers: Iterable[tuple[str, str]] = (),
@@ -322,7 +292,7 @@ async def stream_response(
     try:
         if head:
             await response.write(head)
-        async for chunk in upstream.content.iter_chunked(CHUNK):
+        async for chunk in upstream.iter_chunks(CHUNK):
             await response.write(chunk)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         # Headers are gone already: the only honest signal left is to cut the connection.
@@ -335,14 +305,14 @@ async def stream_response(
     return response
 
 
-async def read_at_most(upstream: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+async def read_at_most(upstream: UpstreamResponse, limit: int) -> tuple[bytes, bool]:
     """Read the body up to ``limit`` bytes; returns (bytes, complete). A read that fails (timeout, reset)
     closes the response: a half-read connection must never go back to the pool."""
     parts: list[bytes] = []
     size = 0
     try:
         while size <= limit:
-            chunk = await upstream.content.read(min(CHUNK, limit + 1 - size))
+            chunk = await upstream.read_chunk(min(CHUNK, limit + 1 - size))
             if not chunk:
                 return b"".join(parts), True
             parts.append(chunk)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from datetime import UTC, datetime
@@ -10,6 +11,8 @@ from typing import Any
 
 import asyncpg
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from tests.conftest import BACKENDS, ProxyFactory, RunningProxy, empty_records
 from tests.servers import free_port
@@ -270,6 +273,53 @@ async def test_unreachable_upstream_releases_the_key(
     live = await make_proxy(backend)  # same store: the key is free, the retry executes
     resp, _ = await live.post("/v1/charges", key="unr", body=CHARGE)
     assert resp.status == 201 and upstream.count(key="unr") == 1
+
+
+async def test_a_budget_spent_waiting_for_an_upstream_connection_sends_nothing_and_frees_the_key(
+    make_proxy: ProxyFactory,
+) -> None:
+    # One upstream connection, held by a plain download that trickles (never silent long enough to time out):
+    # the covered request waits for it until its budget (upstream.timeout) runs out. Nothing was sent, so the
+    # answer is 502 upstream_unreachable and the key is released, not kept in flight as "outcome unknown".
+    done = asyncio.Event()
+    charges: list[str] = []
+
+    async def trickle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        while not done.is_set():
+            await response.write(b".")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.1)
+        await response.write_eof()
+        return response
+
+    async def charge(request: web.Request) -> web.Response:
+        charges.append(request.headers.get("Idempotency-Key", ""))
+        return web.json_response({"ok": True}, status=201)
+
+    app = web.Application()
+    app.router.add_get("/slow", trickle)
+    app.router.add_post("/v1/charges", charge)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        proxy = await make_proxy("embedded", upstream_url=str(server.make_url("")).rstrip("/"),
+                                 upstream={"max_connections": 1, "connect_timeout": "30s", "timeout": "1s"})
+        holder = asyncio.ensure_future(proxy.post("/slow", method="GET", tenant=None))
+        while proxy.proxy.upstreams.default.pool._open == 0:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        resp, body = await proxy.post("/v1/charges", key="starved", body=CHARGE)
+        assert resp.status == 502 and problem(body)["code"] == "upstream_unreachable"
+        assert time.monotonic() - started < 5.0 and charges == []
+        done.set()
+        await holder
+        again, _ = await proxy.post("/v1/charges", key="starved", body=CHARGE)
+        assert again.status == 201 and charges == ["starved"]
+    finally:
+        done.set()
+        await server.close()
 
 
 @pytest.mark.parametrize(

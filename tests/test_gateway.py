@@ -63,7 +63,7 @@ async def test_routes_reach_their_own_upstream_through_their_own_pool(
     config = proxy.proxy.config
     charges, refunds = upstreams.for_route(config.routes[0]), upstreams.for_route(config.routes[1])
     assert charges is refunds  # equal settings share one pool
-    assert charges.session is not upstreams.default.session
+    assert charges.pool is not upstreams.default.pool
     assert upstreams.for_route(config.routes[2]) is upstreams.default is upstreams.for_route(None)
 
 

@@ -1,0 +1,580 @@
+"""The upstream client (idemproxy/client.py) against real sockets that misbehave on purpose.
+
+Each test's upstream is a TCP server whose answers are written byte by byte, so framing, keep-alive and broken
+connections are exactly what the test says; it counts the connections it accepted and the requests it read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from multidict import CIMultiDict
+
+from idemproxy.client import (
+    HIGH_WATER,
+    ConnectionPool,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamProtocolError,
+    UpstreamReadTimeout,
+    UpstreamResponse,
+    _Connection,
+)
+
+Answer = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
+"""Given a request's head (and the streams, to read its body), write the answer; False closes the connection."""
+
+
+@dataclass
+class ScriptedUpstream:
+    answer: Answer
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    open_now: int = 0
+    most_open: int = 0
+    server: asyncio.Server | None = None
+    handlers: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        self.connections += 1
+        self.open_now += 1
+        self.most_open = max(self.most_open, self.open_now)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                self.requests.append(head)
+                if not await self.answer(head, reader, writer):
+                    return
+                await writer.drain()
+        except ConnectionError:
+            return
+        finally:
+            self.open_now -= 1
+            writer.close()
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[Answer], Awaitable[ScriptedUpstream]]]:
+    started: list[ScriptedUpstream] = []
+
+    async def start(answer: Answer) -> ScriptedUpstream:
+        upstream = ScriptedUpstream(answer)
+        upstream.server = await asyncio.start_server(upstream.serve, "127.0.0.1", 0)
+        started.append(upstream)
+        return upstream
+
+    yield start
+    for upstream in started:
+        assert upstream.server is not None
+        upstream.server.close()
+        for task in upstream.handlers:
+            task.cancel()
+        await asyncio.gather(*upstream.handlers, return_exceptions=True)
+        await upstream.server.wait_closed()
+
+
+@pytest.fixture
+async def pools() -> AsyncIterator[Callable[..., ConnectionPool]]:
+    made: list[ConnectionPool] = []
+
+    def make(url: str, limit: int = 10, connect_timeout: float = 5.0, read_timeout: float = 10.0) -> ConnectionPool:
+        pool = ConnectionPool(url, limit=limit, connect_timeout=connect_timeout, read_timeout=read_timeout)
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        await pool.close()
+
+
+@pytest.fixture(autouse=True)
+async def loop_errors(scripted: object, pools: object) -> AsyncIterator[list[str]]:
+    """Whatever the loop would only log (a task or future exception never retrieved) fails the test; checked
+    before the test's servers are torn down (cancelling their handlers logs by itself)."""
+    loop = asyncio.get_running_loop()
+    errors: list[str] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context["message"]))
+    yield errors
+    gc.collect()
+    await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert errors == []
+
+
+def ok(body: bytes, extra: bytes = b"") -> Answer:
+    async def answer(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await read_declared_body(head, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b%b" % (len(body), body, extra))
+        return True
+    return answer
+
+
+async def read_declared_body(head: bytes, reader: asyncio.StreamReader) -> bytes:
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return await reader.readexactly(int(line.split(b":", 1)[1]))
+    return b""
+
+
+async def get(pool: ConnectionPool, method: str = "GET", target: str = "/",
+              body: bytes | AsyncIterator[bytes] | None = None,
+              headers: CIMultiDict[str] | None = None) -> tuple[UpstreamResponse, bytes]:
+    response = await pool.request(method, target, headers if headers is not None else CIMultiDict(), body)
+    try:
+        data = await response.read()
+    finally:
+        response.release()
+    return response, data
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for something the event loop will do (a FIN processed, a connection counted), within a bound."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+async def test_a_connection_is_reused_only_after_its_answer_was_read_whole(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    upstream = await scripted(ok(b"x" * 100_000))
+    pool = pools(upstream.url)
+    for _ in range(3):
+        _, body = await get(pool)
+        assert body == b"x" * 100_000
+    assert upstream.connections == 1
+
+    half = await pool.request("GET", "/", CIMultiDict(), None)
+    assert len(await half.read_chunk(10)) == 10
+    half.release()  # not read to the end: its connection must not carry the rest into the next answer
+    _, body = await get(pool)
+    assert body == b"x" * 100_000
+    assert upstream.connections == 2
+
+
+async def test_every_framing_reads_exactly_its_own_bytes(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def answer(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        path = head.split(b" ")[1]
+        if path == b"/chunked":
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+        elif path == b"/head":  # a HEAD answer declares the length a GET would have, and has no body
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n")
+        elif path == b"/empty":
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        elif path == b"/interim":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                         b"HTTP/1.1 201 Created\r\nContent-Length: 4\r\n\r\ndone")
+        elif path == b"/eof":  # no length: the body ends where the connection does
+            writer.write(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")
+            return False
+        return True
+
+    upstream = await scripted(answer)
+    pool = pools(upstream.url)
+    response, body = await get(pool, target="/chunked")
+    assert (response.status, body, response.content_length) == (200, b"hello world", None)
+    response, body = await get(pool, method="HEAD", target="/head")
+    assert (response.status, body, response.content_length) == (200, b"", 12)
+    response, body = await get(pool, target="/empty")
+    assert (response.status, body) == (204, b"")
+    response, body = await get(pool, target="/interim")
+    assert (response.status, response.reason, body) == (201, "Created", b"done")
+    assert "Link" not in response.headers  # the interim answer's headers are not the final one's
+    assert upstream.connections == 1  # all of the above on one kept-alive connection, nothing leaked between
+    response, body = await get(pool, target="/eof")
+    assert (response.status, body) == (200, b"until the end")
+    _, body = await get(pool, target="/chunked")
+    assert body == b"hello world"
+    assert upstream.connections == 2  # the answer without a length closed its connection
+
+
+async def test_bytes_after_an_answer_end_that_connection(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    upstream = await scripted(ok(b"mine", extra=b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nstolen"))
+    pool = pools(upstream.url)
+    _, body = await get(pool)
+    assert body == b"mine"
+    _, body = await get(pool)
+    assert body == b"mine"  # never the stray answer
+    assert upstream.connections == 2
+
+
+async def test_nothing_sent_is_told_apart_from_outcome_unknown(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    refused = await scripted(ok(b""))
+    assert refused.server is not None
+    url = refused.url
+    refused.server.close()
+    await refused.server.wait_closed()
+    with pytest.raises(UpstreamConnectError):
+        await get(pools(url))
+
+    async def hang_up(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        return False
+
+    async def silent(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await asyncio.Event().wait()
+        return False
+
+    async def garbage(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 2OO OK\r\n\r\n")
+        return True
+
+    async def cut_mid_body(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+        return False
+
+    for answer, error in ((hang_up, UpstreamDisconnected), (garbage, UpstreamProtocolError),
+                          (cut_mid_body, UpstreamDisconnected), (silent, UpstreamReadTimeout)):
+        upstream = await scripted(answer)
+        with pytest.raises(error):
+            await get(pools(upstream.url, read_timeout=0.3), method="POST", body=b"{}")
+        assert len(upstream.requests) == 1, answer.__name__  # it was sent (once): the outcome is unknown
+
+
+async def test_a_pooled_connection_the_upstream_closed_is_not_used(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def answer_then_close(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        return False  # keep-alive on the wire, but the server closes right after (an idle timeout)
+
+    upstream = await scripted(answer_then_close)
+    pool = pools(upstream.url, limit=1)
+    await get(pool)
+    await until(lambda: not pool._idle)  # the FIN was seen: the slot is free again
+    _, body = await get(pool)
+    assert body == b"ok"
+    assert upstream.connections == 2 and len(upstream.requests) == 2
+
+
+async def test_the_pool_keeps_its_limit_and_a_wait_past_connect_timeout_sends_nothing(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    gate = asyncio.Event()
+
+    async def held(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await gate.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    upstream = await scripted(held)
+    pool = pools(upstream.url, limit=2, connect_timeout=0.3)
+    holding = [asyncio.ensure_future(get(pool)) for _ in range(2)]
+    await until(lambda: len(upstream.requests) == 2)
+    with pytest.raises(UpstreamConnectError):  # no connection came free within connect_timeout
+        await get(pool)
+    assert len(upstream.requests) == 2 and upstream.most_open == 2
+    gate.set()
+    assert [body for _, body in await asyncio.gather(*holding)] == [b"ok"] * 2
+    # More requests than connections: the rest wait for one to come back, and get it.
+    answers = await asyncio.gather(*(get(pool) for _ in range(7)))
+    assert [body for _, body in answers] == [b"ok"] * 7
+    assert upstream.connections == 2 and upstream.most_open == 2
+
+
+async def test_a_cancelled_exchange_closes_its_connection_and_frees_its_slot(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    first = True
+
+    async def slow_once(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        nonlocal first
+        if first:
+            first = False
+            await asyncio.Event().wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    upstream = await scripted(slow_once)
+    pool = pools(upstream.url, limit=1, connect_timeout=2.0)
+    stuck = asyncio.ensure_future(get(pool))
+    await until(lambda: len(upstream.requests) == 1)
+    stuck.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stuck
+    _, body = await get(pool)  # the one slot came back
+    assert body == b"ok"
+    assert upstream.connections == 2
+
+
+async def test_a_line_break_in_a_header_is_refused_before_anything_is_sent(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    upstream = await scripted(ok(b"ok"))
+    pool = pools(upstream.url)
+    for headers, target in ((CIMultiDict({"X-A": "1\r\nX-Injected: yes"}), "/"),
+                            (CIMultiDict({"X-A\nB": "1"}), "/"), (CIMultiDict(), "/a HTTP/1.1\r\nX: y")):
+        with pytest.raises(ValueError):
+            await get(pool, headers=headers, target=target)
+    assert upstream.connections == 0
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_streamed_request_bodies_arrive_whole(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool], declared: bool
+) -> None:
+    async def digest(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        if b"transfer-encoding: chunked" in head.lower():
+            data = bytearray()
+            while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+                data += await reader.readexactly(size)
+                await reader.readexactly(2)
+            await reader.readexactly(2)
+        else:
+            data = bytearray(await read_declared_body(head, reader))
+        answer = hashlib.sha256(data).hexdigest().encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(answer), answer))
+        return True
+
+    parts = [bytes([i]) * 200_000 for i in range(10)]
+
+    async def body() -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
+    upstream = await scripted(digest)
+    pool = pools(upstream.url)
+    headers = CIMultiDict({"Content-Length": str(2_000_000)} if declared else {})
+    _, answer = await get(pool, method="PUT", body=body(), headers=headers)
+    assert answer == hashlib.sha256(b"".join(parts)).hexdigest().encode()
+    _, answer = await get(pool, method="POST", body=b"small")  # and the connection is fit for the next one
+    assert answer == hashlib.sha256(b"small").hexdigest().encode()
+    assert upstream.connections == 1
+    assert (b"transfer-encoding: chunked" in upstream.requests[0].lower()) is not declared
+
+
+async def test_a_slow_reader_holds_back_the_upstream(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    size = 64 * 1024 * 1024
+    sent = 0
+
+    async def big(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        nonlocal sent
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        block = b"z" * 65536
+        while sent < size:
+            writer.write(block)
+            await writer.drain()
+            sent += len(block)
+        return True
+
+    upstream = await scripted(big)
+    pool = pools(upstream.url)
+    response = await pool.request("GET", "/", CIMultiDict(), None)
+    try:
+        assert await response.read_chunk(65536)
+        # The upstream stops once the kernel's buffers and the client's HIGH_WATER are full.
+        before = -1
+        while before != sent:
+            before = sent
+            for _ in range(50):
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.05)
+        assert sent < 16 * 1024 * 1024
+        conn = response._conn
+        assert conn is not None and conn._buffered <= HIGH_WATER + 65536 * 2
+    finally:
+        response.close()
+
+
+async def test_a_second_answer_to_one_request_is_never_taken_for_it(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def two_answers(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-First: 1\r\n\r\nok"
+                     b"HTTP/1.1 204 No Content\r\nX-Second: 1\r\n\r\n")  # one segment
+        return True
+
+    upstream = await scripted(two_answers)
+    pool = pools(upstream.url)
+    response, body = await get(pool)
+    assert (response.status, response.reason, body) == (200, "OK", b"ok")
+    assert "X-Second" not in response.headers
+    await get(pool)
+    assert upstream.connections == 2  # the connection that carried the stray answer was not reused
+
+
+async def test_an_upstream_may_answer_before_the_body_ends_and_still_read_it(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def echo(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")  # the head first
+        await writer.drain()
+        while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+            data = await reader.readexactly(size)
+            await reader.readexactly(2)
+            writer.write(b"%x\r\n%b\r\n" % (len(data), data))
+            await writer.drain()
+        await reader.readexactly(2)
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    sent = asyncio.Queue[bytes]()
+
+    async def body() -> AsyncIterator[bytes]:
+        for i in range(5):
+            yield b"part%d;" % i
+            await sent.get()  # the next part only once the upstream echoed this one (the head came first)
+
+    upstream = await scripted(echo)
+    pool = pools(upstream.url, read_timeout=5.0)
+    response = await pool.request("POST", "/", CIMultiDict(), body())
+    echoed = b""
+    try:
+        while chunk := await response.read_chunk(65536):
+            echoed += chunk
+            sent.put_nowait(chunk)
+    finally:
+        response.release()
+    assert echoed == b"part0;part1;part2;part3;part4;"
+
+
+async def test_a_slow_upload_is_not_a_silent_upstream(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def after_body(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        while int((await reader.readuntil(b"\r\n")).strip(), 16):
+            await reader.readuntil(b"\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n")
+        return True
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(6):  # 6 x 0.1 s: twice the read timeout in all, never silent for as long as one
+            yield b"slow"
+            await asyncio.sleep(0.1)
+
+    upstream = await scripted(after_body)
+    response, _ = await get(pools(upstream.url, read_timeout=0.3), method="POST", body=body())
+    assert response.status == 201
+
+
+async def test_a_deadline_spent_before_sending_means_nothing_was_sent(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    gate = asyncio.Event()
+
+    async def held(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await gate.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        return True
+
+    upstream = await scripted(held)
+    pool = pools(upstream.url, limit=1, connect_timeout=30.0, read_timeout=30.0)
+    holder = asyncio.ensure_future(get(pool))
+    await until(lambda: len(upstream.requests) == 1)
+    with pytest.raises(UpstreamConnectError):  # waited for the one connection past the caller's deadline
+        await pool.request("POST", "/", CIMultiDict(), b"{}", timeout=0.2)
+    assert len(upstream.requests) == 1  # nothing was sent
+    gate.set()
+    await holder
+    gate.clear()
+    with pytest.raises(UpstreamReadTimeout):  # sent, then the deadline passed: outcome unknown
+        await pool.request("POST", "/", CIMultiDict(), b"{}", timeout=0.2)
+    assert len(upstream.requests) == 2
+    gate.set()
+
+
+async def test_a_transfer_coding_that_does_not_end_in_chunked_reads_until_close(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def gzip_then_close(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\nbody-until-eof")
+        return False
+
+    upstream = await scripted(gzip_then_close)
+    response, body = await get(pools(upstream.url))
+    assert (response.status, body) == (200, b"body-until-eof")
+
+
+async def test_a_broken_exchange_cuts_its_socket_at_once(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def never_reads(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await asyncio.Event().wait()
+        return False
+
+    upstream = await scripted(never_reads)
+    pool = pools(upstream.url, limit=1, read_timeout=0.2)
+    sockets: list[socket.socket] = []
+    connect = pool._connect
+
+    async def connect_and_note(deadline: float | None) -> _Connection:
+        conn = await connect(deadline)
+        assert conn.transport is not None
+        sockets.append(conn.transport.get_extra_info("socket"))
+        return conn
+
+    pool._connect = connect_and_note  # type: ignore[method-assign]
+    for _ in range(3):  # a body far larger than the socket buffers: unsent bytes must not keep a socket open
+        with pytest.raises(UpstreamReadTimeout):
+            await pool.request("POST", "/", CIMultiDict(), b"x" * (16 << 20))
+    assert pool._open == 0 and not pool._idle
+    await until(lambda: all(sock.fileno() == -1 for sock in sockets))  # closed, not left to drain forever
+    assert len(sockets) == 3
+
+
+async def test_an_upload_that_breaks_never_leaves_its_connection_pooled(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def answer_at_once(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        return not head.startswith(b"POST")  # (what a real upstream does with a half-sent body: hang up)
+
+    answered = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"first"
+        await answered.wait()
+        raise ConnectionResetError("the client went away mid-upload")
+
+    upstream = await scripted(answer_at_once)
+    pool = pools(upstream.url)
+    response = await pool.request("POST", "/", CIMultiDict(), body())
+    answered.set()
+    with contextlib.suppress(UpstreamDisconnected):
+        await response.read()
+    response.release()
+    assert not pool._idle
+    _, data = await get(pool)
+    assert data == b"ok" and upstream.connections == 2
+
+
+async def test_a_reset_under_a_large_body_leaves_no_unretrieved_error(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def reset(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        writer.transport.abort()
+        return False
+
+    upstream = await scripted(reset)
+    with pytest.raises(UpstreamDisconnected):
+        await pools(upstream.url).request("POST", "/", CIMultiDict(), b"x" * (32 << 20))
+    # (the autouse loop_errors fixture fails the test on a "Future exception was never retrieved")
