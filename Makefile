@@ -47,7 +47,13 @@ pytest: $(STAMP)
 test: lint typecheck validate pytest
 
 # wrk drives the load (Debian's package; installed here when missing and we are root).
-bench: $(STAMP)
+BENCH := $(VENV)/.installed-bench
+
+$(BENCH): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $(BENCH)
+
+bench: $(BENCH)
 	command -v wrk >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq wrk; } || \
 		{ echo "bench needs wrk (apt-get install wrk)"; exit 1; }
 	$(PY) bench/run.py

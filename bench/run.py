@@ -244,7 +244,7 @@ COMPONENTS = (
     ("fingerprint", ("fingerprint.py", "json/")),
     ("metrics", ("prometheus_client/", "metrics.py")),
     ("logging", ("logging/", "logs.py")),
-    ("upstream client (aiohttp client)", ("aiohttp/client", "aiohttp/connector", "proxy.py")),
+    ("upstream client (idemproxy/client.py, httptools)", ("idemproxy/client.py", "httptools/", "proxy.py")),
     ("server (aiohttp web)", ("aiohttp/web_",)),
     ("engine (engine, settle, replays, app)", ("idemproxy/",)),
 )
