@@ -33,7 +33,8 @@ from multidict import CIMultiDict
 from yarl import URL
 
 HIGH_WATER = 256 * 1024  # answer bytes buffered before reading from the socket pauses
-KEEPALIVE = 15.0  # an idle pooled connection older than this is closed rather than reused (as aiohttp does)
+KEEPALIVE = 30.0  # an idle pooled connection older than this is closed rather than reused (aiohttp: after 15-30 s)
+KEEPALIVE_MARGIN = 1.0  # below the upstream's own ``Keep-Alive: timeout=N``, so it never closes one as we send
 _ONE_WRITE = 64 * 1024  # a body up to this size goes out in the same write as the head
 _NO_BODY_STATUSES = frozenset({204, 304})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 when they have no body
@@ -119,6 +120,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.idle_since = 0.0
+        self.idle_limit = KEEPALIVE  # lowered by the upstream's Keep-Alive hint
         self._exc: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._drain: asyncio.Future[None] | None = None
@@ -215,6 +217,9 @@ class _Connection(asyncio.Protocol):
         codings = headers.get("Transfer-Encoding", "")
         chunked = codings.rpartition(",")[2].strip().lower() == "chunked"  # chunked only counts as the last coding
         self._until_eof = not no_body and length is None and not chunked
+        hint = headers.get("Keep-Alive")
+        if hint is not None:
+            self.idle_limit = min(KEEPALIVE, _keep_alive_timeout(hint) - KEEPALIVE_MARGIN)
         self._response = UpstreamResponse(status, self._reason.decode("utf-8", "surrogateescape"), headers,
                                           length, self)
         if self._head_only:  # llhttp cannot be told a HEAD answer has no body: it ends here
@@ -364,7 +369,7 @@ class _Connection(asyncio.Protocol):
         """An idle connection fit to carry a request."""
         transport = self.transport
         return (not self.lost and self._exc is None and transport is not None and not transport.is_closing()
-                and time.monotonic() - self.idle_since < KEEPALIVE)
+                and time.monotonic() - self.idle_since < self.idle_limit)
 
     def _reset(self) -> None:
         self._busy = False
@@ -424,6 +429,18 @@ class _Connection(asyncio.Protocol):
         self._wake()
         if not self._busy:
             self.pool.forget_idle(self)
+
+
+def _keep_alive_timeout(hint: str) -> float:
+    """``timeout=N`` of a Keep-Alive header (RFC 2068 §19.7.1.1), or KEEPALIVE when it has none that parses."""
+    for part in hint.split(","):
+        name, _, value = part.partition("=")
+        if name.strip().lower() == "timeout":
+            try:
+                return float(value.strip())
+            except ValueError:
+                break
+    return KEEPALIVE + KEEPALIVE_MARGIN
 
 
 def _time_out(waiter: asyncio.Future[None]) -> None:

@@ -19,6 +19,7 @@ from multidict import CIMultiDict
 
 from idemproxy.client import (
     HIGH_WATER,
+    KEEPALIVE,
     ConnectionPool,
     UpstreamConnectError,
     UpstreamDisconnected,
@@ -578,3 +579,25 @@ async def test_a_reset_under_a_large_body_leaves_no_unretrieved_error(
     with pytest.raises(UpstreamDisconnected):
         await pools(upstream.url).request("POST", "/", CIMultiDict(), b"x" * (32 << 20))
     # (the autouse loop_errors fixture fails the test on a "Future exception was never retrieved")
+
+
+async def test_idle_connections_are_reused_only_within_the_upstreams_keep_alive(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def hinted(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        hint = b"Keep-Alive: timeout=5\r\n" if b"/hinted" in head else b""
+        writer.write(b"HTTP/1.1 200 OK\r\n%bContent-Length: 2\r\n\r\nok" % hint)
+        return True
+
+    upstream = await scripted(hinted)
+    pool = pools(upstream.url, limit=1)
+    await get(pool, target="/plain")
+    pool._idle[0].idle_since -= KEEPALIVE - 1  # idle just under the default: reused
+    await get(pool, target="/hinted")
+    assert upstream.connections == 1
+    pool._idle[0].idle_since -= 4.5  # past the upstream's 5 s less a margin: it may be closing it as we send
+    await get(pool, target="/plain")
+    assert upstream.connections == 2
+    pool._idle[0].idle_since -= KEEPALIVE  # and the default bounds a connection without a hint
+    await get(pool, target="/plain")
+    assert upstream.connections == 3
