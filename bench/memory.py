@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import tempfile
 import time
@@ -60,12 +61,15 @@ async def main() -> None:
                 pid = proxy.proc.pid
                 async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                                  timeout=aiohttp.ClientTimeout(total=None)) as session:
-                    async def one(key: str, delay: float) -> int:
+                    async def one(key: str, delay: float) -> str:
+                        """The status, with the problem's code when the proxy answered itself."""
                         headers = {"Content-Type": "application/json", "Idempotency-Key": key,
                                    "X-Bench-Delay": str(delay)}
                         async with session.post(proxy.url + "/v1/charges", data=BODY, headers=headers) as resp:
-                            await resp.read()
-                            return resp.status
+                            body = await resp.read()
+                            if resp.content_type == "application/problem+json":
+                                return f"{resp.status} {json.loads(body).get('code')}"
+                            return str(resp.status)
 
                     await asyncio.gather(*(one(f"warm-{n}", 0) for n in range(200)))  # pools and caches warm
                     at_rest = rss_bytes(pid)

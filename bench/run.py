@@ -253,6 +253,11 @@ GENERIC = ("aiohttp/http_writer", "aiohttp/streams", "aiohttp/base_protocol", "a
            "idemproxy/__main__.py", "runpy", "threading.py")
 
 
+# Innermost frames of threads that wait rather than work: the embedded store's SQLite thread blocks in its work
+# queue's get() inside C, which py-spy samples as busy.
+IDLE = ("concurrent/futures/thread.py:81",)
+
+
 def component(stack: list[str]) -> str:
     for frame in reversed(stack):
         if any(marker in frame for marker in GENERIC):
@@ -277,6 +282,8 @@ def profile(target: Target, seconds: float, script: Path, workdir: Path) -> None
     total = 0
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        if any(marker in stack.rsplit(";", 1)[-1] for marker in IDLE):
+            continue  # a thread waiting for work, which py-spy did not see as idle
         parts[component(stack.split(";"))] = parts.get(component(stack.split(";")), 0) + int(count)
         frames = [f.split(" (")[0] + " " + f.split("/")[-1].rstrip(")") for f in stack.split(";")]
         total += int(count)
