@@ -135,6 +135,25 @@ async def read_declared_body(head: bytes, reader: asyncio.StreamReader) -> bytes
     return b""
 
 
+async def read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked request body, to its last chunk."""
+    data = bytearray()
+    while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+        data += await reader.readexactly(size)
+        await reader.readexactly(2)
+    await reader.readexactly(2)
+    return bytes(data)
+
+
+def gated(gate: asyncio.Event, answer: bytes) -> Answer:
+    """Answers each request with ``answer`` once ``gate`` is set."""
+    async def held(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await gate.wait()
+        writer.write(answer)
+        return True
+    return held
+
+
 async def get(pool: ConnectionPool, method: str = "GET", target: str = "/",
               body: bytes | AsyncIterator[bytes] | None = None,
               headers: CIMultiDict[str] | None = None) -> tuple[UpstreamResponse, bytes]:
@@ -275,13 +294,7 @@ async def test_the_pool_keeps_its_limit_and_a_wait_past_connect_timeout_sends_no
     scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
 ) -> None:
     gate = asyncio.Event()
-
-    async def held(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        await gate.wait()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        return True
-
-    upstream = await scripted(held)
+    upstream = await scripted(gated(gate, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"))
     pool = pools(upstream.url, limit=2, connect_timeout=0.3)
     holding = [asyncio.ensure_future(get(pool)) for _ in range(2)]
     await until(lambda: len(upstream.requests) == 2)
@@ -339,13 +352,9 @@ async def test_streamed_request_bodies_arrive_whole(
 ) -> None:
     async def digest(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         if b"transfer-encoding: chunked" in head.lower():
-            data = bytearray()
-            while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
-                data += await reader.readexactly(size)
-                await reader.readexactly(2)
-            await reader.readexactly(2)
+            data = await read_chunked(reader)
         else:
-            data = bytearray(await read_declared_body(head, reader))
+            data = await read_declared_body(head, reader)
         answer = hashlib.sha256(data).hexdigest().encode()
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(answer), answer))
         return True
@@ -458,9 +467,7 @@ async def test_a_slow_upload_is_not_a_silent_upstream(
     scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
 ) -> None:
     async def after_body(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        while int((await reader.readuntil(b"\r\n")).strip(), 16):
-            await reader.readuntil(b"\r\n")
-        await reader.readexactly(2)
+        await read_chunked(reader)
         writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n")
         return True
 
@@ -478,13 +485,7 @@ async def test_a_deadline_spent_before_sending_means_nothing_was_sent(
     scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
 ) -> None:
     gate = asyncio.Event()
-
-    async def held(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        await gate.wait()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-        return True
-
-    upstream = await scripted(held)
+    upstream = await scripted(gated(gate, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"))
     pool = pools(upstream.url, limit=1, connect_timeout=30.0, read_timeout=30.0)
     holder = asyncio.ensure_future(get(pool))
     await until(lambda: len(upstream.requests) == 1)
