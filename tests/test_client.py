@@ -65,7 +65,7 @@ class ScriptedUpstream:
                 if not await self.answer(head, reader, writer):
                     return
                 await writer.drain()
-        except ConnectionError:
+        except (ConnectionError, asyncio.IncompleteReadError):  # the client cut the connection
             return
         finally:
             self.open_now -= 1
@@ -546,7 +546,7 @@ async def test_an_upload_that_breaks_never_leaves_its_connection_pooled(
     async def answer_at_once(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
-        return not head.startswith(b"POST")  # (what a real upstream does with a half-sent body: hang up)
+        return True  # keeps the connection: only the client can tell that its upload broke
 
     answered = asyncio.Event()
 
@@ -558,7 +558,11 @@ async def test_an_upload_that_breaks_never_leaves_its_connection_pooled(
     upstream = await scripted(answer_at_once)
     pool = pools(upstream.url)
     response = await pool.request("POST", "/", CIMultiDict(), body())
+    conn = response._conn
+    assert conn is not None and conn._writer is not None
     answered.set()
+    writer = conn._writer
+    await until(writer.done)  # the upload has failed before the caller is done with the answer
     with contextlib.suppress(UpstreamDisconnected):
         await response.read()
     response.release()
@@ -602,3 +606,22 @@ async def test_idle_connections_are_reused_only_within_the_upstreams_keep_alive(
     pool._idle[0].idle_since -= KEEPALIVE  # and the default bounds a connection without a hint
     await get(pool, target="/plain")
     assert upstream.connections == 3
+
+
+@pytest.mark.parametrize("size", [5, 20])
+async def test_a_streamed_body_that_breaks_its_declared_length_fails_instead_of_desyncing(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool], size: int
+) -> None:
+    async def after_declared(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await read_declared_body(head, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"x" * size  # 10 declared: too short (the upstream would wait forever) or too long (a smuggled tail)
+
+    upstream = await scripted(after_declared)
+    pool = pools(upstream.url, read_timeout=5.0)
+    with pytest.raises(UpstreamProtocolError):
+        await get(pool, method="PUT", body=body(), headers=CIMultiDict({"Content-Length": "10"}))
+    assert not pool._idle and pool._open == 0
