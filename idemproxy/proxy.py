@@ -307,17 +307,14 @@ async def stream_response(
 
 async def read_at_most(upstream: UpstreamResponse, limit: int) -> tuple[bytes, bool]:
     """Read the body up to ``limit`` bytes; returns (bytes, complete). A read that fails (timeout, reset)
-    closes the response: a half-read connection must never go back to the pool."""
+    closes the response (``UpstreamResponse.read_chunk`` does): a half-read connection never goes back to the
+    pool."""
     parts: list[bytes] = []
     size = 0
-    try:
-        while size <= limit:
-            chunk = await upstream.read_chunk(min(CHUNK, limit + 1 - size))
-            if not chunk:
-                return b"".join(parts), True
-            parts.append(chunk)
-            size += len(chunk)
-    except BaseException:
-        upstream.close()
-        raise
+    while size <= limit:
+        chunk = await upstream.read_chunk(min(CHUNK, limit + 1 - size))
+        if not chunk:
+            return b"".join(parts), True
+        parts.append(chunk)
+        size += len(chunk)
     return b"".join(parts), False
