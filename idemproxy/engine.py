@@ -31,7 +31,7 @@ from multidict import CIMultiDict
 
 from idemproxy.client import UpstreamResponse
 from idemproxy.config import LEASE_MARGIN, TENANT_MAX_BYTES, Config, IdempotencyConfig
-from idemproxy.fingerprint import fingerprint
+from idemproxy.fingerprint import Fingerprinter
 from idemproxy.metrics import Metrics
 from idemproxy.problems import (
     BadRequest,
@@ -159,6 +159,7 @@ class Engine:
         self.metrics = metrics
         self.settler = Settler(metrics, config.storage.pending_settles)
         self.replays = ReplayCache(config.storage.replay_memory, store.notifications_live)
+        self.fingerprint = Fingerprinter()  # a retry's same bytes skip the canonical form
         store.announce_completions(config.waits)  # only `wait` requests listen for a completion
         store.watchers.listeners.append(self.replays.invalidate)
         self._tasks: set[asyncio.Task[_Forwarded | web.Response]] = set()
@@ -258,7 +259,7 @@ class Engine:
             raise MissingKey(f"This route requires an {idem.header} header.")
         ex.key = key = parse_key(key_values, idem.key_max_length)
         body = await read_body(request, idem.max_request_body)
-        fp = fingerprint(
+        fp = self.fingerprint(
             request.method, request_target(request),
             ((name, ",".join(request.headers.getall(name, []))) for name in idem.fingerprint_headers),
             body, canonical=idem.canonical_json,

@@ -17,7 +17,10 @@ import json
 from collections.abc import Callable, Iterable
 from decimal import Decimal
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
 
 # Deeper bodies are hashed raw. A fixed cap keeps the result independent of how deep the caller's stack
 # happens to be (json's C scanner raises RecursionError somewhere near the interpreter's limit) and bounds
@@ -159,6 +162,22 @@ def _framed(data: bytes) -> bytes:
     return len(data).to_bytes(8, "big") + data
 
 
+def _head(method: str, path_qs: str, headers: Iterable[tuple[str, str]]) -> list[bytes]:
+    """The framed small parts: method, raw path+query, then each chosen header's name and value."""
+    head = [_framed(_wire_bytes(method.upper())), _framed(_wire_bytes(path_qs))]
+    for name, value in headers:
+        head.append(_framed(_wire_bytes(name.lower())))
+        head.append(_framed(_wire_bytes(value)))
+    return head
+
+
+def _digest(head: list[bytes], form: bytes, body: bytes) -> _Hash:
+    # The small parts go to the hash in one update, the body (perhaps large, never copied) in a second.
+    digest = hashlib.sha256(b"".join([*head, _framed(form), len(body).to_bytes(8, "big")]))
+    digest.update(body)
+    return digest
+
+
 def fingerprint(
     method: str,
     path_qs: str,
@@ -173,18 +192,47 @@ def fingerprint(
     are hashed as the bytes that came over the wire. With ``canonical``, a JSON body is hashed in canonical
     form (see :func:`canonical_json`); any other body is hashed byte for byte.
     """
-    # The small parts go to the hash in one update, the body (perhaps large, never copied) in a second.
-    head = [_framed(_wire_bytes(method.upper())), _framed(_wire_bytes(path_qs))]
-    for name, value in headers:
-        head.append(_framed(_wire_bytes(name.lower())))
-        head.append(_framed(_wire_bytes(value)))
+    head = _head(method, path_qs, headers)
     normal = canonical_json(body) if canonical else None
     if normal is not None:
-        head.append(_framed(b"json"))
-        body = normal
-    else:
-        head.append(_framed(b"raw"))
-    head.append(len(body).to_bytes(8, "big"))
-    digest = hashlib.sha256(b"".join(head))
-    digest.update(body)
-    return digest.hexdigest()
+        return _digest(head, b"json", normal).hexdigest()
+    return _digest(head, b"raw", body).hexdigest()
+
+
+MEMO_ENTRIES = 4096  # canonical fingerprints remembered per process (about 1 MiB)
+
+
+class Fingerprinter:
+    """:func:`fingerprint`, remembering the canonical results of the bytes it saw last.
+
+    A retry sends the same bytes again, and the canonical form (decode, sort, re-encode) is most of a
+    fingerprint's cost. The result depends on nothing but the request's method, target, chosen headers and
+    body bytes, and the raw fingerprint is a SHA-256 over exactly those; so the raw fingerprint names the
+    canonical one, and a retry of the same bytes pays a hash of them instead of the canonical form. A retry
+    whose bytes differ (members reordered, other whitespace) is not found and pays the canonical form, with
+    the same result as ever. The oldest of ``entries`` results makes way first.
+    """
+
+    def __init__(self, entries: int = MEMO_ENTRIES) -> None:
+        self.entries = entries
+        self._memo: dict[bytes, str] = {}
+        self.hits = 0
+
+    def __call__(
+        self, method: str, path_qs: str, headers: Iterable[tuple[str, str]], body: bytes, *, canonical: bool,
+    ) -> str:
+        head = _head(method, path_qs, headers)
+        raw = _digest(head, b"raw", body)
+        if not canonical:
+            return raw.hexdigest()
+        seen = raw.digest()
+        known = self._memo.get(seen)
+        if known is not None:
+            self.hits += 1
+            return known
+        normal = canonical_json(body)
+        result: str = raw.hexdigest() if normal is None else _digest(head, b"json", normal).hexdigest()
+        if len(self._memo) >= self.entries:
+            del self._memo[next(iter(self._memo))]
+        self._memo[seen] = result
+        return result

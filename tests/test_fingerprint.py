@@ -18,7 +18,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from idemproxy.fingerprint import MAX_DEPTH, canonical_json, fingerprint
+import idemproxy.fingerprint
+from idemproxy.fingerprint import MAX_DEPTH, Fingerprinter, canonical_json, fingerprint
 from tests.conftest import ProxyFactory
 from tests.rawhttp import build_request, send_raw
 from tests.upstream import RecordingUpstream
@@ -382,6 +383,56 @@ def test_ordinary_bodies_keep_the_fingerprint_they_had_before_issue_14() -> None
     assert fp(body) == "aafa23ceb0643ca89d1f681ffe4231c0dc244367c8b5e99e285c3645fe625c79"
     assert fingerprint("post", "/v1/charges?expand=customer", [("X-Account", "acct_1")], b'{"b": [1, 2], "a": "x"}',
                        canonical=True) == "fde97207e216ad183d5ba1ab9a62d1935298d64243fec07685445ca7f41b00ff"
+
+
+# --------------------------------------------------------------------------- the memo (a retry's same bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(doc=documents, seed=st.integers(0, 2**32), data=st.data())
+def test_the_memo_answers_exactly_what_fingerprint_answers(doc: Any, seed: int, data: st.DataObject) -> None:
+    """Same body under other methods, targets, header values and modes, a reordering, raw bodies; each asked
+    twice in a random order, with a memo small enough to forget: never an answer fingerprint() would not give."""
+    body = json.dumps(doc).encode()
+    reordered = json.dumps(shuffled(doc, random.Random(seed)), indent=1).encode()
+    requests = [
+        (method, target, headers, payload, canonical)
+        for method in ("POST", "PATCH")
+        for target in ("/v1/charges", "/v1/charges?x=1")
+        for headers in ((), (("x-account", "a"),), (("x-account", "b"),), (("x-other", "a"),))
+        for payload in (body, reordered, body + b" ", b"\xff" + body)
+        for canonical in (True, False)
+    ]
+    order = data.draw(st.permutations(requests + requests))
+    memo = Fingerprinter(entries=data.draw(st.integers(1, 8)))
+    for method, target, headers, payload, canonical in order:
+        assert memo(method, target, headers, payload, canonical=canonical) == fingerprint(
+            method, target, headers, payload, canonical=canonical)
+    assert len(memo._memo) <= memo.entries
+
+
+def test_a_retry_of_the_same_bytes_skips_the_canonical_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    forms: list[bytes] = []
+
+    def counted(body: bytes) -> bytes | None:
+        forms.append(body)
+        return canonical_json(body)
+
+    monkeypatch.setattr(idemproxy.fingerprint, "canonical_json", counted)
+    memo = Fingerprinter(entries=2)
+    one, reordered, other = b'{"a": 1, "b": 2}', b'{"b":2,"a":1}', b'{"a": 2}'
+    first = memo("POST", "/v1/charges", (), one, canonical=True)
+    assert memo("POST", "/v1/charges", (), one, canonical=True) == first
+    assert (forms, memo.hits) == ([one], 1)  # the same bytes: found
+    assert memo("POST", "/v1/charges", (), reordered, canonical=True) == first
+    assert forms == [one, reordered]  # other bytes, same meaning: computed, same answer
+    assert memo("POST", "/v1/charges", (("x-account", "a"),), one, canonical=True) != first
+    assert forms == [one, reordered, one]  # the same body under another header: another entry
+    memo("POST", "/v1/charges", (), other, canonical=True)
+    assert memo("POST", "/v1/charges", (), one, canonical=True) == first
+    assert forms[-1] == one and len(forms) == 5  # two entries kept: the oldest was forgotten
+    memo("POST", "/v1/charges", (), one, canonical=False)
+    assert len(forms) == 5  # the raw mode never needs the canonical form
 
 
 # --------------------------------------------------------------------------- method, path, headers
