@@ -10,17 +10,19 @@ import os
 import random
 import re
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 
 from idemproxy.admin import AdminAPI
 from idemproxy.config import Config, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
-from idemproxy.problems import StoreUnavailable, problem_middleware
-from idemproxy.proxy import HEADER_POLICY, REQUEST_ID, UPSTREAM_SERVER, HeaderPolicy, Upstreams
+from idemproxy.problems import BadRequest, StoreUnavailable, problem_middleware, render_problems
+from idemproxy.proxy import REQUEST_ID, UPSTREAM_SERVER, Upstreams
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
 from idemproxy.tracing import build_tracer
@@ -141,34 +143,39 @@ class Proxy:
             if removed:
                 log.info("swept %d expired records", removed)
 
-    def proxy_app(self) -> web.Application:
-        """The public app; its cleanup context owns this Proxy's start and stop."""
+    def runner(self, **kwargs: Any) -> web.BaseRunner:
+        """The proxy port's runner: ``setup()`` opens this Proxy (store, pools), ``cleanup()`` stops accepting,
+        waits for the handlers, then stops it. ``kwargs`` as for ``web.AppRunner``."""
+        return _ProxyRunner(self, **kwargs)
+
+    def proxy_server(self, **kwargs: Any) -> web.Server:
+        """aiohttp's low-level server with ``_serve`` as its one handler.
+
+        Not a ``web.Application``: a router with one catch-all route, its match info and the response
+        signal cost a tenth of a replay's CPU. What they did is done here: the hook below for every
+        response (``_ProxyRequest``), and ``Expect`` in ``_serve``.
+        """
+        loop = asyncio.get_running_loop()
+        hook = self._on_proxy_response
+
+        def request_factory(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+            return _ProxyRequest(message, payload, protocol, writer, task, loop, state={_ON_PREPARE: hook})
+
         # auto_decompress off: a gzip request body must reach the upstream (and the fingerprint) as sent.
-        app = web.Application(
-            handler_args={"max_field_size": 16384, "auto_decompress": False},
-        )
-        app[PROXY] = self
-        app[HEADER_POLICY] = HeaderPolicy(
-            trusted_proxies=self.config.forwarded.trusted_proxies,
-            request_id_header=self.config.request_id.header,
-        )
-        app.on_response_prepare.append(self._on_proxy_response)
-        app.cleanup_ctx.append(self._lifecycle)
-        app.router.add_route("*", "/{tail:.*}", self._serve)
-        return app
+        settings: dict[str, Any] = {"max_field_size": 16384, "auto_decompress": False, **kwargs}
+        return web.Server(self._serve, request_factory=request_factory, **settings)
 
-    async def _lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
-        await self.start()
-        yield
-        await self.stop()
-
-    async def _serve(self, request: web.Request) -> web.StreamResponse:
-        """The one handler of the proxy port: the request id, the engine, problems rendered.
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The one handler of the proxy port: the request id, ``Expect``, the engine, problems rendered.
 
         A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
         """
         request[REQUEST_ID] = self._request_id(request)
-        response = await problem_middleware(request, self.engine.handle)
+        if "Expect" in request.headers:
+            refused = await _expect(request)
+            if refused is not None:
+                return refused
+        response = await render_problems(request, self.engine.handle)
         if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
             request[UPSTREAM_SERVER] = "Server" in response.headers
         return response
@@ -184,8 +191,8 @@ class Proxy:
         """Every response of the proxy port: the request id, and no aiohttp banner (only the upstream's own)."""
         _strip_server_banner(request, response)
         request_id = request.get(REQUEST_ID)
-        if request_id is None:  # an answer aiohttp made before the handler ran (404 for "OPTIONS *")
-            request_id = request[REQUEST_ID] = self._request_id(request)
+        if request_id is None:  # an answer aiohttp made without the handler: a 400 for a request it could not
+            request_id = request[REQUEST_ID] = new_request_id()  # parse (its headers are not to be trusted)
         response.headers[self.config.request_id.header] = request_id
 
     def admin_app(self) -> web.Application:
@@ -235,10 +242,7 @@ async def _strip_server_banner_hook(request: web.BaseRequest, response: web.Stre
 async def serve(config: Config, *, reuse_port: bool = False) -> None:
     """Run until SIGTERM/SIGINT; then drain (CONTRACT "Draining") and stop. A second signal exits at once."""
     proxy = Proxy(config, ready_after_start=False)
-    proxy_runner = web.AppRunner(
-        proxy.proxy_app(), access_log=None, shutdown_timeout=config.shutdown_timeout,
-        handle_signals=False,
-    )
+    proxy_runner = proxy.runner(access_log=None, shutdown_timeout=config.shutdown_timeout)
     admin_runner = web.AppRunner(proxy.admin_app(), access_log=None, handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -279,3 +283,53 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
 
 
 PROXY = web.AppKey("proxy", Proxy)
+
+_Hook = Callable[[web.BaseRequest, web.StreamResponse], Awaitable[None]]
+_ON_PREPARE: web.RequestKey[_Hook] = web.RequestKey("on_prepare")
+
+
+class _ProxyRequest(web.BaseRequest):
+    """A request of the proxy port. aiohttp runs ``_prepare_hook`` on every response just before its head is
+    written (after its own headers, such as the ``Server`` banner, are filled in); ``web.Request`` sends the
+    app's ``on_response_prepare`` signal from there. This one calls the proxy's hook: also for the answers
+    aiohttp makes itself (a 400 for a malformed request, a 500), which the app's signal never saw."""
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        await self[_ON_PREPARE](self, response)
+
+
+class _ProxyRunner(web.BaseRunner):
+    """``web.AppRunner``'s life cycle for the proxy's low-level server: open the Proxy before serving, stop it
+    after the last handler finished."""
+
+    def __init__(self, proxy: Proxy, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._proxy = proxy
+        self._started = False
+
+    async def shutdown(self) -> None:
+        pass
+
+    async def _make_server(self) -> web.Server:
+        await self._proxy.start()
+        self._started = True
+        return self._proxy.proxy_server(**self._kwargs)
+
+    async def _cleanup_server(self) -> None:
+        if self._started:
+            self._started = False
+            await self._proxy.stop()
+
+
+async def _expect(request: web.BaseRequest) -> web.Response | None:
+    """What ``web.Application`` did for ``Expect`` (RFC 9110 §10.1.1): "100-continue" is answered at once with
+    an interim 100, any other expectation with 417; HTTP/1.0 requests' ``Expect`` is ignored."""
+    if request.version != HttpVersion11:
+        return None
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        return BadRequest(f"Unknown expectation: {expect[:64]!r}; only 100-continue is supported.",
+                          status=417).response()
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim answer is not part of the response's size
+    return None

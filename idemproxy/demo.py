@@ -105,7 +105,7 @@ async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: s
     await upstream_runner.setup()
     await web.TCPSite(upstream_runner, "127.0.0.1", upstream_port).start()
     proxy = Proxy(config)
-    runners = [web.AppRunner(proxy.proxy_app(), access_log=None),
+    runners = [proxy.runner(access_log=None),
                web.AppRunner(proxy.admin_app(), access_log=None)]
     try:
         for runner, listen_port in zip(runners, (port, admin_port), strict=True):

@@ -61,7 +61,6 @@ from idemproxy.proxy import (
     request_target,
     stream_response,
     upstream_errors,
-    upstream_request_headers,
 )
 from idemproxy.replays import ReplayCache
 from idemproxy.settle import Settler
@@ -177,7 +176,7 @@ class Engine:
 
     # ------------------------------------------------------------------ entry
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         route = self.config.route_for(request.path)
         idem = route.idempotency if route is not None else self.config.idempotency
@@ -198,7 +197,7 @@ class Engine:
                 if self.tracer.enabled:
                     _annotate(span, exchange)
 
-    def _observe(self, request: web.Request, route: str, ex: _Exchange, started: float) -> None:
+    def _observe(self, request: web.BaseRequest, route: str, ex: _Exchange, started: float) -> None:
         total = time.perf_counter() - started
         counted = self.metrics.per_request(route, request.method, ex.outcome)
         counted.count()
@@ -236,7 +235,7 @@ class Engine:
                 span.set_attribute(HTTP_STATUS, result.status)
             return result
 
-    async def _passthrough(self, request: web.Request, ex: _Exchange) -> web.StreamResponse:
+    async def _passthrough(self, request: web.BaseRequest, ex: _Exchange) -> web.StreamResponse:
         ex.outcome = "passthrough"
         if self.tracer.enabled:
             return await self._timed_upstream(ex, lambda: ex.upstream.passthrough(request))
@@ -249,7 +248,7 @@ class Engine:
     # ------------------------------------------------------------------ covered requests
 
     async def _covered(
-        self, request: web.Request, idem: IdempotencyConfig, ex: _Exchange
+        self, request: web.BaseRequest, idem: IdempotencyConfig, ex: _Exchange
     ) -> web.StreamResponse:
         key_values = request.headers.getall(idem.header, [])
         if not key_values and not idem.required:
@@ -275,7 +274,7 @@ class Engine:
             return await self._unguarded(request, body, idem, ex)
         return await self._decide(request, claim, fp, body, idem, ex)
 
-    def resolve_tenant(self, request: web.Request) -> str:
+    def resolve_tenant(self, request: web.BaseRequest) -> str:
         """The tenant a key belongs to; the credential itself is hashed and never stored."""
         return self.resolve_tenant_value(request.headers.get(self.config.tenant.header))
 
@@ -357,7 +356,7 @@ class Engine:
         self.settler.release_later(lambda: self.store.release(ghost), until=sent + idem.lease)
 
     async def _decide(
-        self, request: web.Request, claim: Claim, fp: str, body: bytes,
+        self, request: web.BaseRequest, claim: Claim, fp: str, body: bytes,
         idem: IdempotencyConfig, ex: _Exchange,
     ) -> web.StreamResponse:
         record = claim.record
@@ -409,7 +408,7 @@ class Engine:
     # ------------------------------------------------------------------ forwarding the owner
 
     async def _execute(
-        self, request: web.Request, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
+        self, request: web.BaseRequest, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
     ) -> web.StreamResponse:
         task = asyncio.ensure_future(self._forward_and_settle(request, claim, body, idem, ex))
         self._tasks.add(task)
@@ -442,7 +441,7 @@ class Engine:
             forwarded.upstream.release()
 
     async def _forward_and_settle(
-        self, request: web.Request, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
+        self, request: web.BaseRequest, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
     ) -> _Forwarded | web.Response:
         """Forward once; then store, release or keep the lease (outcome table) before answering.
 
@@ -451,7 +450,7 @@ class Engine:
         """
         try:
             # Everything that can fail before a byte is sent: a failure here releases the key at once.
-            headers = upstream_request_headers(request, drop=(idem.header,))
+            headers = ex.upstream.request_headers(request, drop=(idem.header,))
             if ex.upstream.config.forward_key:
                 # The key as the proxy understood it, so the upstream can dedupe a takeover ('"k"' is 'k').
                 headers[idem.header] = claim.record.key
@@ -578,14 +577,14 @@ class Engine:
     # ------------------------------------------------------------------ fail open
 
     async def _unguarded(
-        self, request: web.Request, body: bytes, idem: IdempotencyConfig, ex: _Exchange
+        self, request: web.BaseRequest, body: bytes, idem: IdempotencyConfig, ex: _Exchange
     ) -> web.StreamResponse:
         ex.outcome = "store_error"
         log.warning("store unavailable: forwarding %s %s unguarded (fail_open)",
                     request.method, request.path)
 
         async def call() -> web.StreamResponse:
-            upstream = await ex.upstream.send(request, upstream_request_headers(request), body)
+            upstream = await ex.upstream.send(request, ex.upstream.request_headers(request), body)
             try:
                 return await stream_response(
                     request, upstream,
@@ -638,7 +637,7 @@ def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:
             result.upstream.release()
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     """The request body, refused with 413 past ``limit`` (checked before reading when declared)."""
     declared = request.content_length
     if declared is not None and declared > limit:

@@ -30,7 +30,7 @@ import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from aiohttp import web
 
@@ -165,11 +165,12 @@ class RecordUnreadable(StoreUnavailable):
     """
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_R = TypeVar("_R", bound=web.BaseRequest)
 
 
-@web.middleware
-async def problem_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def render_problems(
+    request: _R, handler: Callable[[_R], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """Render any :class:`Problem` (and any unexpected error, without its trace) as problem+json."""
     try:
         return await handler(request)
@@ -180,3 +181,11 @@ async def problem_middleware(request: web.Request, handler: Handler) -> web.Stre
     except Exception:
         log.exception("unhandled error while serving %s %s", request.method, request.path)
         return Problem("The proxy failed to handle this request.").response()
+
+
+@web.middleware
+async def problem_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """:func:`render_problems` as an app's middleware (the admin port)."""
+    return await render_problems(request, handler)

@@ -57,8 +57,6 @@ class HeaderPolicy:
         return any(address in network for network in self.trusted_proxies)
 
 
-HEADER_POLICY = web.AppKey("header_policy", HeaderPolicy)
-_DEFAULT_POLICY = HeaderPolicy()
 _HOST = ("host",)
 _CONTENT_LENGTH = ("content-length",)
 
@@ -88,14 +86,14 @@ def filter_headers(
     return out
 
 
-def upstream_request_headers(request: web.Request, drop: Iterable[str] = ()) -> CIMultiDict[str]:
+def upstream_request_headers(
+    request: web.BaseRequest, policy: HeaderPolicy, drop: Iterable[str] = ()
+) -> CIMultiDict[str]:
     """The client's headers as the upstream should see them: X-Forwarded-* and the request id set.
 
     X-Forwarded-Proto/-Host sent by a trusted proxy (``forwarded.trusted_proxies``) describe the client's
     original request and pass through; from anyone else they could be forged, so this hop sets them.
     """
-    # request.app is the first place config_dict looks; asking it first saves building the chain each request.
-    policy = request.app.get(HEADER_POLICY) or request.config_dict.get(HEADER_POLICY) or _DEFAULT_POLICY
     client = request.headers
     headers = filter_headers(client, drop=("host", *drop) if drop else _HOST)
     remote = request.remote or ""
@@ -114,7 +112,7 @@ def upstream_request_headers(request: web.Request, drop: Iterable[str] = ()) -> 
     return headers
 
 
-def request_target(request: web.Request) -> str:
+def request_target(request: web.BaseRequest) -> str:
     """Path and query exactly as the client sent them; an absolute-form target (``POST http://host/x``,
     RFC 9112 §3.2.2) means its path and query. Anything else (``*``, authority-form) is a 400."""
     raw = request.raw_path
@@ -168,10 +166,13 @@ _UPSTREAM_ERRORS = _UpstreamErrors()
 class Upstream:
     """One connection pool to the upstream (``idemproxy.client``)."""
 
-    def __init__(self, config: UpstreamConfig, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self, config: UpstreamConfig, tracer: Tracer | None = None, policy: HeaderPolicy | None = None
+    ) -> None:
         self.config = config
         self.base = config.url
         self.tracer = tracer if tracer is not None else Tracer()
+        self.policy = policy if policy is not None else HeaderPolicy()
         self._pool: ConnectionPool | None = None
 
     async def open(self) -> None:
@@ -190,15 +191,19 @@ class Upstream:
         return self._pool
 
     @staticmethod
-    def target(request: web.Request) -> str:
+    def target(request: web.BaseRequest) -> str:
         """The request target exactly as the client sent it (path and query byte for byte), or 400."""
         target = request_target(request)
         if " " in target or "\r" in target or "\n" in target:
             raise BadRequest("The request target cannot be forwarded.")
         return target
 
+    def request_headers(self, request: web.BaseRequest, drop: Iterable[str] = ()) -> CIMultiDict[str]:
+        """The client's headers as this upstream is to get them (:func:`upstream_request_headers`)."""
+        return upstream_request_headers(request, self.policy, drop)
+
     async def send(
-        self, request: web.Request, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None,
+        self, request: web.BaseRequest, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None,
         timeout: float | None = None,
     ) -> UpstreamResponse:
         """Send the request (never retried: RFC 9110 §9.2.2) and return the response head. ``timeout`` bounds
@@ -211,7 +216,7 @@ class Upstream:
             except HeaderInjection as exc:  # refused before anything was sent
                 raise BadRequest("The request cannot be forwarded: a header holds a line break.") from exc
 
-    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+    async def passthrough(self, request: web.BaseRequest) -> web.StreamResponse:
         """Plain reverse proxy. Bodies up to SMALL_BODY bytes (declared) are read whole and sent in one write:
         cheaper than chunked streaming, which costs a write per chunk and chunked framing. Anything larger, or
         of unknown length, streams in chunks, so memory stays bounded."""
@@ -219,7 +224,7 @@ class Upstream:
         body: bytes | AsyncIterator[bytes] | None = None
         if request.body_exists:
             body = await request.read() if length is not None and length <= SMALL_BODY else _stream_body(request)
-        upstream = await self.send(request, upstream_request_headers(request), body)
+        upstream = await self.send(request, self.request_headers(request), body)
         try:
             if _small_answer(request, upstream):
                 with upstream_errors():  # nothing sent to the client yet: a broken body is a proper 502
@@ -240,8 +245,11 @@ class Upstreams:
     def __init__(self, config: Config, tracer: Tracer | None = None) -> None:
         self._config = config
         self._pools: dict[UpstreamConfig, Upstream] = {}
+        policy = HeaderPolicy(
+            trusted_proxies=config.forwarded.trusted_proxies, request_id_header=config.request_id.header,
+        )
         for upstream in (config.upstream, *(r.upstream for r in config.routes if r.upstream is not None)):
-            self._pools.setdefault(upstream, Upstream(upstream, tracer))
+            self._pools.setdefault(upstream, Upstream(upstream, tracer, policy))
 
     @property
     def default(self) -> Upstream:
@@ -262,20 +270,20 @@ class Upstreams:
             await upstream.close()
 
 
-def _small_answer(request: web.Request, upstream: UpstreamResponse) -> bool:
+def _small_answer(request: web.BaseRequest, upstream: UpstreamResponse) -> bool:
     """A response with a declared small body (HEAD, 204 and 304 keep the streaming path's header handling)."""
     length = upstream.content_length
     return (length is not None and length <= SMALL_BODY and request.method != "HEAD"
             and upstream.status not in (204, 304))
 
 
-async def _stream_body(request: web.Request) -> AsyncIterator[bytes]:
+async def _stream_body(request: web.BaseRequest) -> AsyncIterator[bytes]:
     async for chunk in request.content.iter_chunked(CHUNK):
         yield chunk
 
 
 async def stream_response(
-    request: web.Request,
+    request: web.BaseRequest,
     upstream: UpstreamResponse,
     *,
     head: bytes = b"",

@@ -18,7 +18,8 @@ import aiohttp
 import asyncpg
 import pytest
 import redis as sync_redis
-from aiohttp.test_utils import TestServer
+from aiohttp import web
+from aiohttp.test_utils import BaseTestServer, TestServer
 
 from idemproxy.app import Proxy
 from idemproxy.config import Config, load_config
@@ -171,14 +172,31 @@ def build_config(upstream_url: str, storage_section: dict[str, Any], **sections:
     return load_config(raw)
 
 
+class ProxyTestServer(BaseTestServer):
+    """A Proxy's port (``Proxy.runner``: aiohttp's low-level server) on a free local port, opened and stopped
+    as ``idemproxy serve`` does."""
+
+    def __init__(self, proxy: Proxy, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.proxy = proxy
+
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        return self.proxy.runner(**kwargs)
+
+
 class RunningProxy:
     """An in-process proxy on a real port, with a client session pointed at it."""
 
-    def __init__(self, proxy: Proxy, server: TestServer, session: aiohttp.ClientSession) -> None:
+    def __init__(self, proxy: Proxy, server: ProxyTestServer, session: aiohttp.ClientSession) -> None:
         self.proxy = proxy
         self.server = server
         self.session = session
         self.url = str(server.make_url("")).rstrip("/")
+
+    @property
+    def port(self) -> int:
+        assert self.server.port is not None
+        return self.server.port
 
     async def post(self, path: str, *, key: str | None = None, tenant: str | None = "Bearer t1",
                    body: Any = None, headers: dict[str, str] | None = None,
@@ -209,7 +227,7 @@ async def make_proxy(
         section = storage_section if storage_section is not None else storage(backend)
         config = build_config(sections.pop("upstream_url", upstream.url), section, **sections)
         proxy = Proxy(config)
-        server = TestServer(proxy.proxy_app(), host="127.0.0.1")
+        server = ProxyTestServer(proxy, host="127.0.0.1")
         await server.start_server()
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200))
         item = RunningProxy(proxy, server, session)

@@ -533,8 +533,7 @@ async def test_undecodable_tenant_bytes_are_hashed_not_a_500(
     from tests.test_proxy import raw_exchange
 
     proxy = await make_proxy("embedded")
-    port = proxy.server.port
-    assert port is not None
+    port = proxy.port
     head = ("POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: ff-1\r\nAuthorization: Bearer \udcff\r\n"
             "Content-Length: 2\r\nConnection: close\r\n\r\n")
     statuses = [(await raw_exchange(port, head, b"{}"))[0] for _ in range(2)]

@@ -206,6 +206,61 @@ async def raw_exchange(port: int, head: str, body: bytes = b"") -> tuple[int, di
     return int(status_line.split()[1]), headers, payload
 
 
+async def test_expect_100_continue_gets_the_interim_answer_before_the_body_is_sent(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """RFC 9110 §10.1.1: a client that sends ``Expect: 100-continue`` waits for the 100 before its body."""
+    proxy = await make_proxy("embedded")
+    body = b'{"amount": 100}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        writer.write(b"POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: exp-1\r\nAuthorization: Bearer t1\r\n"
+                     b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+        await writer.drain()
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        assert upstream.executed == []  # nothing forwarded before the body came
+        writer.write(body)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 201 ")
+    assert [e.body for e in upstream.executed] == [body]
+
+
+async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded")
+    port = proxy.port
+    head = ("POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: exp-2\r\nAuthorization: Bearer t1\r\n"
+            "Expect: 200-ok\r\nContent-Length: 2\r\nConnection: close\r\n\r\n")
+    status, headers, payload = await raw_exchange(port, head, b"{}")
+    assert status == 417 and headers["Content-Type"] == "application/problem+json"
+    assert json.loads(payload)["status"] == 417 and "200-ok" in json.loads(payload)["detail"]
+    assert "X-Request-Id" in headers and "Server" not in headers
+    assert upstream.executed == []
+    old = head.replace("HTTP/1.1", "HTTP/1.0", 1).replace("exp-2", "exp-3").replace("200-ok", "100-continue")
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(old.encode() + b"{}")
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.0 201 ")  # no interim 100 for HTTP/1.0 (RFC 9110: MUST ignore)
+    assert upstream.count() == 1
+
+
+async def test_answers_aiohttp_makes_itself_carry_a_request_id_and_no_banner(make_proxy: ProxyFactory) -> None:
+    """A request that cannot be parsed is answered by aiohttp, before any handler: it too gets an id."""
+    proxy = await make_proxy("embedded")
+    status, headers, _ = await raw_exchange(proxy.port, "GET /x HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+    assert status == 400
+    assert len(headers["X-Request-Id"]) == 32 and "Server" not in headers
+
+
 async def test_absolute_form_target_is_forwarded_as_its_path(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
@@ -215,8 +270,7 @@ async def test_absolute_form_target_is_forwarded_as_its_path(
     head = ("POST http://api.example/v1/charges?x=1 HTTP/1.1\r\nHost: api.example\r\nIdempotency-Key: abs-1\r\n"
             f"Authorization: Bearer t1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             "Connection: close\r\n\r\n")
-    port = proxy.server.port
-    assert port is not None
+    port = proxy.port
     first = await raw_exchange(port, head, body)
     again = await raw_exchange(port, head, body)
     assert first[0] == again[0] == 201
@@ -226,8 +280,7 @@ async def test_absolute_form_target_is_forwarded_as_its_path(
 
 async def test_asterisk_target_is_a_problem_not_a_500(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
     proxy = await make_proxy("embedded")
-    port = proxy.server.port
-    assert port is not None
+    port = proxy.port
     for target in ("*", "api.example:443"):  # asterisk-form, authority-form: no path to forward
         status, _, _ = await raw_exchange(port, f"OPTIONS {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert 400 <= status < 500

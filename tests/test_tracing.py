@@ -193,7 +193,7 @@ async def test_off_adds_no_traceparent_and_passes_a_clients_own_through(
 
 
 _OFF_SCRIPT = """
-import asyncio, sys, tempfile
+import asyncio, socket, sys, tempfile
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -212,14 +212,17 @@ async def main():
         config = load_config({"upstream": {"url": str(upstream.make_url("")).rstrip("/")},
                               "tenant": {"from": "static"}, "log": {"access": "off"},
                               "storage": {"embedded": {"path": tmp + "/store.sqlite3"}}})
-        proxy = TestServer(Proxy(config).proxy_app(), host="127.0.0.1")
-        await proxy.start_server()
+        runner = Proxy(config).runner()
+        await runner.setup()
+        site = web.SockSite(runner, socket.create_server(("127.0.0.1", 0)))
+        await site.start()
+        url = "http://127.0.0.1:%d/x" % site._sock.getsockname()[1]
         async with aiohttp.ClientSession() as session:
             for method, headers in (("POST", {"Idempotency-Key": "k"}), ("POST", {"Idempotency-Key": "k"}),
                                     ("GET", {"traceparent": "CLIENT_TRACEPARENT"})):
-                async with session.request(method, str(proxy.make_url("/x")), headers=headers) as resp:
+                async with session.request(method, url, headers=headers) as resp:
                     assert resp.status == 200, resp.status
-        await proxy.close()
+        await runner.cleanup()
     await upstream.close()
     print(sorted(name for name in sys.modules if name.split(".")[0] == "opentelemetry"))
 
