@@ -31,6 +31,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[str, str, str], RequestMetrics] = {}
+        self._store_children: dict[tuple[str, str], StoreMetrics] = {}
         r = self.registry
         self.requests = Counter(
             "idemproxy_requests", "Requests by route, method and outcome",
@@ -112,6 +113,16 @@ class Metrics:
             )
         return children
 
+    def store_children(self, backend: str, operation: str) -> StoreMetrics:
+        """The labelled children of one store operation, looked up once (as ``per_request``)."""
+        key = (backend, operation)
+        children = self._store_children.get(key)
+        if children is None:  # operations are a fixed few: no bound needed
+            children = self._store_children[key] = StoreMetrics(
+                self.store_duration.labels(backend, operation), self.store_errors.labels(backend, operation),
+            )
+        return children
+
     def render(self) -> bytes:
         """The Prometheus text exposition (aggregated over workers in multiprocess mode)."""
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -130,6 +141,16 @@ class RequestMetrics:
         self.count = incrementer(requests)
         self.duration = observer(duration)
         self.overhead = observer(overhead)
+
+
+class StoreMetrics:
+    """What one store operation counts: its duration, its failures."""
+
+    __slots__ = ("duration", "error")
+
+    def __init__(self, duration: Histogram, errors: Counter) -> None:
+        self.duration = observer(duration)
+        self.error = incrementer(errors)
 
 
 # Every request updates three or four metrics; prometheus-client's public methods check on each call what a

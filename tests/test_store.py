@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +14,7 @@ import pytest
 
 from idemproxy.config import load_config
 from idemproxy.store import State, Store, StoredResponse, build_store
+from idemproxy.store.base import new_token
 from tests.conftest import BACKENDS, StorageFactory, empty_records
 
 FP, OTHER_FP = "f" * 64, "0" * 64
@@ -257,3 +260,19 @@ async def test_embedded_group_commit_keeps_each_write_apart(storage: StorageFact
         assert await backend.get("t", "a") is not None and await backend.get("t", "b") is not None
     finally:
         await backend.close()
+
+
+def test_lease_tokens_are_distinct_128_bit_and_a_forked_child_draws_its_own() -> None:
+    tokens = [new_token() for _ in range(3 * 256 + 5)]  # across several refills of the batch
+    assert len(set(tokens)) == len(tokens)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", token) for token in tokens)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its first token must not be the one its parent draws next
+        os.write(write, new_token().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    assert re.fullmatch(r"[0-9a-f]{32}", child) and child != new_token()

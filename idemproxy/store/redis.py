@@ -361,7 +361,7 @@ class RedisFrontedStore(Store):
         except self._fast_errors as exc:
             usable[0] = False
             if self.metrics is not None:
-                self.metrics.store_errors.labels("redis", operation).inc()
+                self.metrics.store_children("redis", operation).error()
             if not self._degraded:  # one line per outage, not one per request
                 log.warning("redis %s failed (%s); serving from %s alone until it answers again",
                             operation, type(exc).__name__, self.durable.backend)
@@ -373,9 +373,7 @@ class RedisFrontedStore(Store):
                 self._degraded = False
         finally:
             if self.metrics is not None and usable[0]:
-                self.metrics.store_duration.labels("redis", operation).observe(
-                    time.perf_counter() - started
-                )
+                self.metrics.store_children("redis", operation).duration(time.perf_counter() - started)
 
     # ------------------------------------------------------------------ operations
 
@@ -509,7 +507,7 @@ class RedisFrontedStore(Store):
             )
         except self._errors as exc:
             if self.metrics is not None:
-                self.metrics.store_errors.labels("redis", "forget").inc()
+                self.metrics.store_children("redis", "forget").error()
             raise StoreUnavailable(
                 "Redis could not be cleared; retry the release when it answers again."
             ) from exc
