@@ -170,8 +170,10 @@ async def open_loop(url: str, mode: str, rate: float, seconds: float) -> tuple[f
 
 
 @contextmanager
-def process(*argv: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, *argv, str(port)], cwd=ROOT)
+def process(*argv: str, port: int, quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``python ARGV PORT`` and wait until it listens (``quiet``: its stderr is dropped)."""
+    proc = subprocess.Popen([sys.executable, *argv, str(port)], cwd=ROOT,
+                            stderr=subprocess.DEVNULL if quiet else None)
     try:
         deadline = time.monotonic() + 20
         while subprocess.run(["sh", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"], capture_output=True,
