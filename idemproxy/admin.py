@@ -15,7 +15,7 @@ from aiohttp import web
 
 from idemproxy.config import Secret
 from idemproxy.engine import short_hash
-from idemproxy.problems import RecordNotFound, RecordUnreadable, Unauthorized
+from idemproxy.problems import RecordNotFound, RecordUnreadable, Unauthorized, loggable_path
 from idemproxy.store.base import Record, State, Store
 
 log = logging.getLogger("idemproxy.admin")
@@ -57,7 +57,7 @@ class AdminAPI:
     def _authorize(self, request: web.Request) -> None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.reveal().encode()):
-            log.warning("admin %s %s refused: bad or missing token", request.method, request.path,
+            log.warning("admin %s %s refused: bad or missing token", request.method, loggable_path(request),
                         extra={"admin_action": "refused", "remote": request.remote})
             raise Unauthorized("A valid admin bearer token is required.")
 

@@ -76,7 +76,11 @@ class Proxy:
 
     async def start(self) -> None:
         await self.store.open()
-        await self.upstreams.open()
+        try:
+            await self.upstreams.open()
+        except BaseException:  # no half-started proxy: the runner stops only what started whole
+            await self.store.close()
+            raise
         self._background = [
             asyncio.create_task(self._sweep_forever(), name="idemproxy-sweeper"),
             asyncio.create_task(self._probe_stores_forever(), name="idemproxy-store-probe"),
@@ -162,7 +166,7 @@ class Proxy:
             return _ProxyRequest(message, payload, protocol, writer, task, loop, state={_ON_PREPARE: hook})
 
         # auto_decompress off: a gzip request body must reach the upstream (and the fingerprint) as sent.
-        settings: dict[str, Any] = {"max_field_size": 16384, "auto_decompress": False, **kwargs}
+        settings: dict[str, Any] = {**kwargs, "max_field_size": 16384, "auto_decompress": False}
         return web.Server(self._serve, request_factory=request_factory, **settings)
 
     async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -171,7 +175,7 @@ class Proxy:
         A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
         """
         request[REQUEST_ID] = self._request_id(request)
-        if "Expect" in request.headers:
+        if request.headers.get("Expect"):  # (an empty Expect names no expectation: as web.Application did)
             refused = await _expect(request)
             if refused is not None:
                 return refused
@@ -332,4 +336,5 @@ async def _expect(request: web.BaseRequest) -> web.Response | None:
                           status=417).response()
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim answer is not part of the response's size
+    await request.writer.drain()
     return None

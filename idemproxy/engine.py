@@ -48,6 +48,7 @@ from idemproxy.problems import (
     UpstreamReset,
     UpstreamTimeout,
     UpstreamUnreachable,
+    loggable_path,
 )
 from idemproxy.proxy import (
     CHUNK,
@@ -207,11 +208,12 @@ class Engine:
             self.metrics.observe_upstream(ex.upstream_seconds)
         if self._access_level is None or not access_log.isEnabledFor(self._access_level):
             return
+        path = loggable_path(request)
         access_log.log(
-            self._access_level, "%s %s %s %s %.1fms", request.method, request.path, ex.status, ex.outcome,
+            self._access_level, "%s %s %s %s %.1fms", request.method, path, ex.status, ex.outcome,
             total * 1000,
             extra={
-                "method": request.method, "path": request.path,
+                "method": request.method, "path": path,
                 "outcome": ex.outcome, "status": ex.status, "route": route,
                 "tenant": self._loggable_tenant(ex.tenant), "key_hash": short_hash(ex.key),
                 "duration_ms": round(total * 1000, 3),
@@ -581,7 +583,7 @@ class Engine:
     ) -> web.StreamResponse:
         ex.outcome = "store_error"
         log.warning("store unavailable: forwarding %s %s unguarded (fail_open)",
-                    request.method, request.path)
+                    request.method, loggable_path(request))
 
         async def call() -> web.StreamResponse:
             upstream = await ex.upstream.send(request, ex.upstream.request_headers(request), body)

@@ -168,6 +168,12 @@ class RecordUnreadable(StoreUnavailable):
 _R = TypeVar("_R", bound=web.BaseRequest)
 
 
+def loggable_path(request: web.BaseRequest) -> str:
+    """The path as it came, percent-escapes kept (never the query, which may carry secrets): the decoded path
+    can hold a CR or LF (``%0A``), which would start a forged line in a text log."""
+    return request.rel_url.raw_path
+
+
 async def render_problems(
     request: _R, handler: Callable[[_R], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
@@ -179,7 +185,7 @@ async def render_problems(
     except web.HTTPException:
         raise
     except Exception:
-        log.exception("unhandled error while serving %s %s", request.method, request.path)
+        log.exception("unhandled error while serving %s %s", request.method, loggable_path(request))
         return Problem("The proxy failed to handle this request.").response()
 
 

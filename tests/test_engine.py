@@ -14,7 +14,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tests.conftest import BACKENDS, ProxyFactory, RunningProxy, empty_records
+from idemproxy.app import Proxy
+from idemproxy.store import build_store
+from tests.conftest import BACKENDS, ProxyFactory, RunningProxy, StorageFactory, build_config, empty_records
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream
 
@@ -550,3 +552,21 @@ async def test_an_unhashed_tenant_too_long_to_index_is_refused_not_unavailable(
     ok, _ = await proxy.post("/v1/charges", key="long-tenant", body=CHARGE, tenant="y" * 1000)
     assert ok.status == 201
     assert upstream.count(key="long-tenant") == 1
+
+
+async def test_a_proxy_that_fails_to_start_leaves_its_store_closed(
+    storage: StorageFactory, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No half-started proxy: the store opened before the failure is closed again (its file lock released)."""
+    config = build_config(upstream.url, storage("embedded"))
+    proxy = Proxy(config)
+
+    async def refuse() -> None:
+        raise RuntimeError("no upstream pool")
+
+    monkeypatch.setattr(proxy.upstreams, "open", refuse)
+    with pytest.raises(RuntimeError, match="no upstream pool"):
+        await proxy.start()
+    again = build_store(config.storage)  # the same file: refused with StoreLocked while the first holds it
+    await again.open()
+    await again.close()

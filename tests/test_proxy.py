@@ -251,6 +251,24 @@ async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
         writer.close()
     assert answer.startswith(b"HTTP/1.0 201 ")  # no interim 100 for HTTP/1.0 (RFC 9110: MUST ignore)
     assert upstream.count() == 1
+    empty = head.replace("Expect: 200-ok", "Expect: ").replace("exp-2", "exp-4")  # names no expectation at all
+    status, _, _ = await raw_exchange(port, empty, b"{}")
+    assert status == 201 and upstream.count() == 2
+
+
+async def test_an_escaped_line_break_in_the_path_cannot_forge_a_log_line(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The access log writes the path as it came (%0A), never decoded into a line break."""
+    proxy = await make_proxy("embedded", log={"access": "INFO"})
+    forged = "/x%0A2026-11-24%2006:00:00,000%20ERROR%20idemproxy:%20FORGED%0D"
+    with caplog.at_level("INFO", logger="idemproxy.access"):
+        status, _, _ = await raw_exchange(proxy.port, f"GET {forged}?secret=s3 HTTP/1.1\r\nHost: x\r\n"
+                                                      "Connection: close\r\n\r\n")
+    assert status == 404  # forwarded: the test upstream's own router matches no decoded path with a line break
+    lines = [record.getMessage() for record in caplog.records if record.name == "idemproxy.access"]
+    assert len(lines) == 1 and forged in lines[0]
+    assert "\n" not in lines[0] and "\r" not in lines[0] and "s3" not in lines[0]  # nor the query
 
 
 async def test_answers_aiohttp_makes_itself_carry_a_request_id_and_no_banner(make_proxy: ProxyFactory) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -124,16 +125,19 @@ class _Tokens:
     def __init__(self) -> None:
         self._buffer = b""
         self._offset = 0
+        self._lock = threading.Lock()  # (tokens are drawn on the loop's thread; the lock keeps it safe anywhere)
 
     def forget(self) -> None:
         self._buffer, self._offset = b"", 0
+        self._lock = threading.Lock()  # a lock held by another thread at the fork stays held in the child
 
     def next(self) -> str:
-        offset = self._offset
-        if offset + TOKEN_BYTES > len(self._buffer):
-            self._buffer, offset = os.urandom(TOKEN_BYTES * _TOKEN_BATCH), 0
-        self._offset = offset + TOKEN_BYTES
-        return self._buffer[offset:offset + TOKEN_BYTES].hex()
+        with self._lock:
+            offset = self._offset
+            if offset + TOKEN_BYTES > len(self._buffer):
+                self._buffer, offset = os.urandom(TOKEN_BYTES * _TOKEN_BATCH), 0
+            self._offset = offset + TOKEN_BYTES
+            return self._buffer[offset:offset + TOKEN_BYTES].hex()
 
 
 _tokens = _Tokens()
