@@ -645,6 +645,9 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     if declared is not None and declared > limit:
         raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
     if declared is not None and declared <= SMALL_BODY:  # (below aiohttp's client_max_size: read() takes it)
+        content = request.content
+        if content.is_eof():  # the whole body came with the head: take it without read()'s loop and copy
+            return content.read_nowait()
         return await request.read()  # one call instead of an iterator that ends in StopAsyncIteration
     parts: list[bytes] = []
     size = 0
