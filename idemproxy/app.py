@@ -156,8 +156,8 @@ class Proxy:
         """aiohttp's low-level server with ``_serve`` as its one handler.
 
         Not a ``web.Application``: a router with one catch-all route, its match info and the response
-        signal cost a tenth of a replay's CPU. What they did is done here: the hook below for every
-        response (``_ProxyRequest``), and ``Expect`` in ``_serve``.
+        signal cost about a quarter of a replay's CPU (``bench/overhead.py``). What they did is done here:
+        the hook below for every response (``_ProxyRequest``), and ``Expect`` in ``_serve``.
         """
         loop = asyncio.get_running_loop()
         hook = self._on_proxy_response
