@@ -61,3 +61,19 @@ def _dechunk(data: bytes) -> bytes:
         out += data[:size]
         data = data[size + 2:]
     return bytes(out)
+
+
+async def raw_exchange(port: int, head: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """Send bytes exactly as written (aiohttp's client cannot send these targets); read a Connection: close answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head.encode("latin-1", "surrogateescape") + body)
+        await writer.drain()
+        raw = await reader.read()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    status_line, _, rest = raw.partition(b"\r\n")
+    header_block, _, payload = rest.partition(b"\r\n\r\n")
+    headers = dict(line.decode().split(": ", 1) for line in header_block.split(b"\r\n") if line)
+    return int(status_line.split()[1]), headers, payload

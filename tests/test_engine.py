@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 from idemproxy.app import Proxy
 from idemproxy.store import build_store
 from tests.conftest import BACKENDS, ProxyFactory, RunningProxy, StorageFactory, build_config, empty_records
+from tests.rawhttp import raw_exchange
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream
 
@@ -532,8 +533,6 @@ async def test_forward_key_sends_the_key_as_the_proxy_understood_it(
 async def test_undecodable_tenant_bytes_are_hashed_not_a_500(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
-    from tests.test_proxy import raw_exchange
-
     proxy = await make_proxy("embedded")
     port = proxy.port
     head = ("POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: ff-1\r\nAuthorization: Bearer \udcff\r\n"

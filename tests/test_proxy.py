@@ -11,7 +11,7 @@ import pytest
 from yarl import URL
 
 from tests.conftest import ProxyFactory
-from tests.rawhttp import build_request, send_raw
+from tests.rawhttp import build_request, raw_exchange, send_raw
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream
 
@@ -188,22 +188,6 @@ async def test_the_proxy_never_resends_a_request_the_upstream_may_have_executed(
                                   headers={"X-Test-Drop": "1"})
     assert resp.status == 502, body  # the connection broke after sending: outcome unknown, not retried
     assert upstream.count(path="/v1/things/1") == 1
-
-
-async def raw_exchange(port: int, head: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-    """Send bytes exactly as written (aiohttp's client cannot send these targets); read a Connection: close answer."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(head.encode("latin-1", "surrogateescape") + body)
-        await writer.drain()
-        raw = await reader.read()
-    finally:
-        writer.close()
-        await writer.wait_closed()
-    status_line, _, rest = raw.partition(b"\r\n")
-    header_block, _, payload = rest.partition(b"\r\n\r\n")
-    headers = dict(line.decode().split(": ", 1) for line in header_block.split(b"\r\n") if line)
-    return int(status_line.split()[1]), headers, payload
 
 
 async def test_expect_100_continue_gets_the_interim_answer_before_the_body_is_sent(
