@@ -146,10 +146,22 @@ async def test_concurrent_first_requests_share_statements_and_pipelines_and_exec
     assert len(upstream.executed) == 60
 
 
+def with_query(url: str, option: str) -> str:
+    return url if not option else f"{url}{'&' if '?' in url else '?'}{option}"
+
+
+@pytest.mark.parametrize("options", ["", "health_check_interval=30"], ids=["own-connection", "redis-py"])
 async def test_scripts_redis_lost_are_loaded_again_in_a_pipeline(
-    make_proxy: ProxyFactory, upstream: RecordingUpstream, redis_url: str
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, redis_url: str, clean_pg: str, redis_prefix: str,
+    options: str,
 ) -> None:
-    proxy = await make_proxy("redis")
+    """On the store's own connection (store/resp.py) and, for a url with options only redis-py implements, on
+    redis-py's pipeline."""
+    proxy = await make_proxy(storage_section={"postgres": {"dsn": clean_pg, "pool_min": 1, "pool_max": 10},
+                                              "redis": {"url": with_query(redis_url, options),
+                                                                        "key_prefix": redis_prefix}})
+    assert isinstance(proxy.proxy.store, RedisFrontedStore)
+    assert (proxy.proxy.store._lean is None) == bool(options)
     resp, _ = await proxy.post("/v1/charges", key="warm", body=CHARGE)
     assert resp.status == 201
     sync_redis.Redis.from_url(redis_url).script_flush()

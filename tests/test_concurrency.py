@@ -101,6 +101,23 @@ async def test_50_duplicates_over_3_processes_execute_once(
         assert upstream.count(key=f"multi-{mode}") == 1
         assert {status for status, _, _ in results} == {201}
         assert len({body for _, _, body in results}) == 1
+    # Each process (uvloop, the store's own Redis connection) took the fast path: Redis answered every claim.
+    for proc in procs:
+        claims, errors = await redis_claims(proc)
+        assert claims > 0 and errors == 0, proc.log()
+
+
+async def redis_claims(proc: ProxyProcess) -> tuple[float, float]:
+    """(Redis claims timed, Redis errors) from a proxy process's /metrics."""
+    async with aiohttp.ClientSession() as session, session.get(proc.admin_url + "/metrics") as resp:
+        text = await resp.text()
+    claims = errors = 0.0
+    for line in text.splitlines():
+        if line.startswith('idemproxy_store_duration_seconds_count{backend="redis",operation="claim"}'):
+            claims += float(line.rsplit(" ", 1)[1])
+        elif line.startswith('idemproxy_store_errors_total{backend="redis"'):
+            errors += float(line.rsplit(" ", 1)[1])
+    return claims, errors
 
 
 async def test_kill_9_then_exactly_one_retry_takes_over_after_the_lease(

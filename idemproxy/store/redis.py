@@ -50,6 +50,7 @@ from idemproxy.store.base import (
 )
 from idemproxy.store.batch import Batcher, follow_up
 from idemproxy.store.codec import PLAIN, Codec
+from idemproxy.store.resp import RespClient, supports
 
 log = logging.getLogger("idemproxy.store.redis")
 
@@ -79,9 +80,9 @@ PIPELINES_IN_FLIGHT = 2  # pipelines on the wire at once; calls made meanwhile g
 #
 # KEYS: lock, response, epoch. ARGV: "token fingerprint lease-end-ms", lock ttl ms, a fresh epoch, epoch ttl ms.
 # Returns {"completed", payload} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
-# Idempotent: the client may send it again after a connection broke with the reply in flight (redis-py retries on
-# connection errors; the cluster client does so across a failover), and the lock it finds is then its own (the
-# token is unique to this claim): acquired, never a 409 against itself.
+# Idempotent: a client may send it again after a connection broke with the reply in flight (redis-py's cluster
+# client does so across a failover), and the lock it finds is then its own (the token is unique to this claim):
+# acquired, never a 409 against itself.
 _CLAIM = """
 local cached = redis.call('GET', KEYS[2])
 if cached then return {'completed', cached} end
@@ -210,6 +211,11 @@ class RedisFrontedStore(Store):
         # nodes: there each call goes alone.
         self._pipelines: Batcher[_ScriptCall, Any] | None = None if config.cluster else Batcher(
             self._pipeline, max_batch=PIPELINE_MAX, max_in_flight=PIPELINES_IN_FLIGHT, abandoned=self._unlock)
+        # Those pipelines, releases' purges and health pings go over a connection of our own (store/resp.py: a
+        # third of redis-py's CPU per round trip) unless the url asks for what only redis-py does (TLS, options
+        # such as socket_keepalive); redis-py keeps the subscriber.
+        self._lean = RespClient(config.url.reveal(), SOCKET_TIMEOUT) if (
+            not config.cluster and supports(config.url.reveal())) else None
         self._unlocking: set[asyncio.Task[Any]] = set()
         self._down_until = 0.0
         self._degraded = False
@@ -231,6 +237,8 @@ class RedisFrontedStore(Store):
             await asyncio.wait(set(self._unlocking), timeout=CLOSE_TIMEOUT)
         if self._pipelines is not None:
             await self._pipelines.close(CLOSE_TIMEOUT)
+        if self._lean is not None:
+            self._lean.close()
         if self._subscriber is not None:
             # Wake it now rather than at its next read timeout, through the client it listens with. On a cluster
             # that is a plain client to one node: a publish through the cluster client can stall in a topology
@@ -312,22 +320,30 @@ class RedisFrontedStore(Store):
             return await script(keys=keys, args=args)
         return await self._pipelines.call((script, keys, args))
 
-    async def _pipeline(self, calls: list[_ScriptCall]) -> list[Any]:
+    async def _pipeline(self, calls: list[_ScriptCall], *, breaker: bool = True) -> list[Any]:
         """One pipeline of EVALSHAs; a call Redis answers with an error gets that error alone. Scripts Redis lost
         (a restart) are loaded and their calls sent once more. Calls that queued behind a pipeline that failed
         meanwhile fail at once (the breaker is open) rather than wait out another socket timeout."""
-        if time.monotonic() < self._down_until:
+        if breaker and time.monotonic() < self._down_until:
             raise RedisConnectionError("redis is skipped for now (circuit breaker open)")
         replies = await self._evalsha(calls)
         lost = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if lost:
             for script in {calls[n][0] for n in lost}:
-                await self.redis.script_load(script.script)
+                if self._lean is None:
+                    await self.redis.script_load(script.script)
+                    continue
+                [loaded] = await self._lean.execute([(b"SCRIPT", b"LOAD", script.script)])
+                if isinstance(loaded, Exception):
+                    raise loaded
             for n, reply in zip(lost, await self._evalsha([calls[n] for n in lost]), strict=True):
                 replies[n] = reply
         return replies
 
     async def _evalsha(self, calls: list[_ScriptCall]) -> list[Any]:
+        if self._lean is not None:
+            return await self._lean.execute(
+                [(b"EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls])
         async with self.redis.pipeline(transaction=False) as pipe:
             for script, keys, args in calls:
                 pipe.evalsha(script.sha, len(keys), *keys, *args)
@@ -500,11 +516,15 @@ class RedisFrontedStore(Store):
         return done
 
     async def _purge(self, tenant: str, key: str) -> None:
+        call: _ScriptCall = (self._forget_script, self._keys(tenant, key),
+                             [self.channel, self.watchers.message(tenant, key), new_token(), self._epoch_ms])
         try:
-            await self._forget_script(
-                keys=self._keys(tenant, key),
-                args=[self.channel, self.watchers.message(tenant, key), new_token(), self._epoch_ms],
-            )
+            if self._pipelines is None:  # a cluster: the script alone, on its slot's node
+                await self._script(*call)
+            else:  # straight to Redis, past the queue and the breaker
+                [reply] = await self._pipeline([call], breaker=False)
+                if isinstance(reply, Exception):
+                    raise reply
         except self._errors as exc:
             if self.metrics is not None:
                 self.metrics.store_children("redis", "forget").error()
@@ -528,7 +548,12 @@ class RedisFrontedStore(Store):
     async def health(self) -> Health:
         health = await self.durable.health()
         try:
-            await asyncio.wait_for(self.redis.ping(), SOCKET_TIMEOUT * 2)
+            if self._lean is None:
+                await asyncio.wait_for(self.redis.ping(), SOCKET_TIMEOUT * 2)
+            else:
+                [pong] = await asyncio.wait_for(self._lean.execute([(b"PING",)]), SOCKET_TIMEOUT * 2)
+                if isinstance(pong, Exception):
+                    raise pong
             health.details["redis"] = "ok"
         except self._errors:
             health.details["redis"] = "unavailable (degraded: served from PostgreSQL alone, slower)"
