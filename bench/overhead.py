@@ -16,7 +16,9 @@ box. With ``--callgrind`` the proxy runs under ``valgrind --tool=callgrind`` and
 request (counted only while wrk runs), steadier still but about 50 times slower: use longer ``--seconds``.
 ``--profile MODE`` samples the proxy with py-spy while wrk drives MODE and prints the heaviest frames instead.
 ``--root A --root B`` measures the idemproxy of two checkouts side by side, their rounds interleaved (to compare
-a change with its parent: ``git worktree add /tmp/before HEAD~1``).
+a change with its parent: ``git worktree add /tmp/before HEAD~1``). ``--store redis`` (or ``postgres``) puts the
+proxies on Redis + PostgreSQL (or PostgreSQL alone) instead, throwaway servers of the bench's own unless
+IDEMPROXY_TEST_REDIS_URL / IDEMPROXY_TEST_POSTGRES_DSN name some; the stores' own CPU is not counted.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.run import BODY, WRK_SCRIPT, Target, cpu_seconds, profile, proxy_config  # noqa: E402
+from bench.run import BODY, WRK_SCRIPT, Target, cpu_seconds, profile, proxy_config, stores  # noqa: E402
 from tests.proxyproc import wait_ready  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 
@@ -47,12 +50,12 @@ MODES = {"plain": ("/plain/charges", "none"), "replay": ("/v1/charges", "replay"
 
 
 def start_proxy(
-    root: Path, workdir: Path, upstream: str, callgrind: bool
+    root: Path, workdir: Path, upstream: str, callgrind: bool, storage: dict[str, Any] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str, str]:
     import yaml
 
     port, admin = free_port(), free_port()
-    config = proxy_config(upstream, {"embedded": {"path": str(workdir / "overhead.sqlite3")}})
+    config = proxy_config(upstream, storage or {"embedded": {"path": str(workdir / "overhead.sqlite3")}})
     config.update(listen={"host": "127.0.0.1", "port": port}, admin={"host": "127.0.0.1", "port": admin})
     path = workdir / "proxy.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -131,6 +134,10 @@ async def main() -> None:
     parser.add_argument("--callgrind", action="store_true")
     parser.add_argument("--connections", type=int, default=20, help="wrk -c (1: no batching, steadiest)")
     parser.add_argument("--profile", choices=sorted(MODES), help="py-spy the proxy while wrk drives this path")
+    parser.add_argument("--store", choices=("embedded", "redis", "postgres"), default="embedded",
+                        help="redis: Redis + PostgreSQL, postgres: PostgreSQL alone (throwaway servers unless "
+                             "IDEMPROXY_TEST_REDIS_URL / IDEMPROXY_TEST_POSTGRES_DSN name some; only the proxy "
+                             "process is measured)")
     parser.add_argument("--root", type=Path, action="append",
                         help="a checkout whose idemproxy is measured (repeat to compare, rounds interleaved; "
                              "default: this one)")
@@ -142,6 +149,10 @@ async def main() -> None:
         workdir = Path(tmp)
         script = workdir / "bench.lua"
         script.write_text(WRK_SCRIPT)
+        storage, cleanup = None, None
+        if args.store != "embedded":
+            sections, _, cleanup = await stores(workdir)
+            storage = sections[args.store]
         up_port = free_port()
         upstream = subprocess.Popen([sys.executable, str(ROOT / "bench" / "upstream.py"), str(up_port)])
         procs: list[subprocess.Popen[bytes]] = []
@@ -149,7 +160,8 @@ async def main() -> None:
             proxies = []
             for i, root in enumerate(roots):
                 (workdir / str(i)).mkdir()
-                proc, url, admin = start_proxy(root, workdir / str(i), f"http://127.0.0.1:{up_port}", args.callgrind)
+                proc, url, admin = start_proxy(root, workdir / str(i), f"http://127.0.0.1:{up_port}", args.callgrind,
+                                               storage)
                 procs.append(proc)
                 proxies.append((root, proc, url, admin, workdir / str(i)))
             for _, proc, url, admin, home in proxies:
@@ -180,6 +192,8 @@ async def main() -> None:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+            if cleanup is not None:
+                await asyncio.to_thread(cleanup)
 
 
 def report(results: dict[tuple[Path, str], list[float]], roots: list[Path], modes: list[str], callgrind: bool,
