@@ -23,7 +23,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TypeVar
 
 from aiohttp import web
@@ -334,7 +334,7 @@ class Engine:
             claim = await self.store.claim(tenant, key, fp, lease=idem.lease, ttl=idem.ttl, token=token)
             if not claim.owned:
                 self.replays.put(claim, seen)
-            return replace(claim, received=sent)
+            return claim.received_at(sent)
         except StoreUnavailable as exc:
             if exc.maybe_applied:
                 self._release_ghost(tenant, key, fp, token, idem, sent)

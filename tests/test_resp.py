@@ -57,8 +57,12 @@ def test_supports_only_what_it_implements() -> None:
 
 def test_pack_writes_resp_bulk_strings() -> None:
     assert pack([(b"SET", "k\u00e9", 12)]) == b"*3\r\n$3\r\nSET\r\n$3\r\nk\xc3\xa9\r\n$2\r\n12\r\n"
-    with pytest.raises(TypeError):
-        pack([(b"SET", "k", 1.5)])  # type: ignore[arg-type]
+    assert pack([(b"PING",), (b"ECHO", b"", -7, 2**70)]) == (
+        b"*1\r\n$4\r\nPING\r\n*4\r\n$4\r\nECHO\r\n$0\r\n\r\n$2\r\n-7\r\n$22\r\n1180591620717411303424\r\n"
+    )
+    for odd in (True, None):  # not silently written as something Redis would take
+        with pytest.raises(TypeError):
+            pack([(b"SET", "k", odd)])  # type: ignore[arg-type]
     with pytest.raises(UnicodeEncodeError):  # strict UTF-8, as redis-py: a lone surrogate is refused
         pack([(b"GET", "\udcff")])
 

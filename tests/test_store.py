@@ -8,13 +8,14 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
 
 from idemproxy.config import load_config
 from idemproxy.store import State, Store, StoredResponse, build_store
-from idemproxy.store.base import new_token
+from idemproxy.store.base import Claim, Record, new_token
 from tests.conftest import BACKENDS, StorageFactory, empty_records
 
 FP, OTHER_FP = "f" * 64, "0" * 64
@@ -276,3 +277,22 @@ def test_lease_tokens_are_distinct_128_bit_and_a_forked_child_draws_its_own() ->
     child = os.read(read, 64).decode()
     os.close(read)
     assert re.fullmatch(r"[0-9a-f]{32}", child) and child != new_token()
+
+
+def test_a_claims_copies_carry_every_other_field() -> None:
+    """Claim.received_at and Claim.with_epoch build the copy field by field (cheaper than dataclasses.replace):
+    each must equal replace() on a claim whose every field is set, and a field added to Claim must be added to
+    them (this list fails until it is)."""
+    record = Record(tenant="t", key="k", fingerprint="f", state=State.IN_FLIGHT, lease_token="tok",
+                    lease_expires_at=5.0, response=StoredResponse(201, (("a", "b"),), b"x"), created_at=1.0,
+                    completed_at=None, expires_at=9.0)
+    claim = Claim(record=record, owned=True, now=2.0, took_over=True, replaced_expired=True, cache_epoch="e1",
+                  received=3.0)
+    assert [f.name for f in fields(Claim)] == ["record", "owned", "now", "took_over", "replaced_expired",
+                                               "cache_epoch", "received"]
+
+    def values(c: Claim) -> list[object]:
+        return [getattr(c, f.name) for f in fields(Claim)]
+
+    assert values(claim.received_at(7.0)) == values(replace(claim, received=7.0))
+    assert values(claim.with_epoch("e2")) == values(replace(claim, cache_epoch="e2"))

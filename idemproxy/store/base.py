@@ -94,6 +94,18 @@ class Claim:
         assert self.owned and self.record.lease_token is not None
         return self.record.lease_token
 
+    # ``dataclasses.replace`` walks the fields on every call; these two run on every first request.
+    # (tests/test_store.py checks that they carry every other field.)
+    def received_at(self, received: float) -> Claim:
+        """This claim, its answer counted as arrived at ``received`` (this process's monotonic clock)."""
+        return Claim(self.record, self.owned, self.now, self.took_over, self.replaced_expired, self.cache_epoch,
+                     received)
+
+    def with_epoch(self, cache_epoch: str) -> Claim:
+        """This claim, with what the cache in front of the durable store read first."""
+        return Claim(self.record, self.owned, self.now, self.took_over, self.replaced_expired, cache_epoch,
+                     self.received)
+
 
 class _Measured:
     __slots__ = ("_children", "_started")

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Sequence
 
 import zstandard
 from cryptography.exceptions import InvalidTag
@@ -69,8 +68,8 @@ def key_id(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()[:KEY_ID_BYTES]
 
 
-def headers_json(headers: Sequence[tuple[str, str]]) -> str:
-    return json.dumps([list(pair) for pair in headers])
+def headers_json(headers: Headers) -> str:
+    return json.dumps(headers)  # pairs as JSON arrays, tuples or lists alike
 
 
 def parse_headers(text: str | bytes | None) -> Headers:

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -127,6 +127,9 @@ _FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
 _CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError)
 
 
+# json.dumps builds a new encoder for every call with non-default arguments; this one is built once.
+_compact_json = json.JSONEncoder(separators=(",", ":")).encode
+
 _ScriptCall = tuple[Any, list[str], list[Any]]  # a registered script, its keys, its arguments
 
 
@@ -155,7 +158,7 @@ def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
         tail = response.body or b""
     else:
         tail = codec.pack(record.tenant, record.key, response.headers, response.body or b"")
-    return json.dumps(head, separators=(",", ":")).encode() + b"\n" + tail
+    return _compact_json(head).encode() + b"\n" + tail
 
 
 def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Record:
@@ -444,7 +447,7 @@ class RedisFrontedStore(Store):
                 await self._settle(tenant, key, token, publish=False)
             raise
         if claim.owned:
-            return replace(claim, cache_epoch=epoch)
+            return claim.with_epoch(epoch)
         if fast is not None:
             await self._repair(tenant, key, token, epoch, claim, locked)
         return claim
@@ -485,9 +488,11 @@ class RedisFrontedStore(Store):
         payload = b""
         if done:  # only a response the durable store accepted may ever be replayed from the cache
             now = time.time()
-            payload = _encode(replace(
-                claim.record, state=State.COMPLETED, lease_token=None, lease_expires_at=None,
-                response=response, completed_at=now, expires_at=now + ttl,
+            record = claim.record
+            payload = _encode(Record(  # a field-by-field dataclasses.replace would walk the fields
+                tenant=record.tenant, key=record.key, fingerprint=record.fingerprint, state=State.COMPLETED,
+                lease_token=None, lease_expires_at=None, response=response, created_at=record.created_at,
+                completed_at=now, expires_at=now + ttl,
             ), self.codec)
         await self._settle(claim.record.tenant, claim.record.key, claim.token, payload=payload, ttl=ttl,
                            epoch=UNKNOWN_EPOCH if claim.cache_epoch is None else claim.cache_epoch,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -37,6 +38,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Arg = bytes | str | int
+# hiredis's stub types the argument as a 1-tuple; it takes a command of any length.
+_pack_command = cast(Callable[[tuple[Arg, ...]], bytes], hiredis.pack_command)
 
 
 class _ProtocolError(RedisConnectionError):
@@ -59,23 +62,12 @@ def supports(url: str) -> bool:
 
 
 def pack(commands: list[tuple[Arg, ...]]) -> bytes:
-    """RESP arrays of bulk strings, as Redis reads commands. A str is UTF-8 (strictly, as redis-py encodes)."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, bytes):
-                data = arg
-            elif isinstance(arg, str):
-                data = arg.encode()
-            elif isinstance(arg, int) and not isinstance(arg, bool):
-                data = b"%d" % arg
-            else:
-                raise TypeError(f"a Redis argument must be bytes, str or int, not {type(arg).__name__}")
-            out.append(b"$%d\r\n" % len(data))
-            out.append(data)
-            out.append(b"\r\n")
-    return b"".join(out)
+    """RESP arrays of bulk strings, as Redis reads commands, written by hiredis in C (what redis-py uses when
+    hiredis is there). A str is UTF-8, strictly (a lone surrogate raises UnicodeEncodeError, as redis-py); a bool
+    or None raises TypeError."""
+    if len(commands) == 1:
+        return _pack_command(commands[0])
+    return b"".join([_pack_command(command) for command in commands])
 
 
 def _reply(value: Any) -> Any:
