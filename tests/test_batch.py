@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -20,8 +21,11 @@ from idemproxy.store.batch import Batcher
 from idemproxy.store.postgres import BATCH_BYTES, BATCHES_IN_FLIGHT, NOTIFY_CHANNEL, PostgresStore
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy
+from tests.relay import Relay
 from tests.test_faults import durable
 from tests.test_partitions import store_on
+from tests.test_redis import redis_relay  # noqa: F401  (a fixture)
+from tests.test_relay import wait_for
 from tests.upstream import RecordingUpstream
 
 FP = "f" * 64
@@ -127,23 +131,36 @@ async def test_two_replicas_batching_the_same_keys_in_opposite_orders_never_dead
         await two.close()
 
 
+@pytest.mark.parametrize("options", ["", "health_check_interval=30"], ids=["own-connection", "redis-py"])
 async def test_concurrent_first_requests_share_statements_and_pipelines_and_execute_once(
-    make_proxy: ProxyFactory, upstream: RecordingUpstream
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, redis_url: str, clean_pg: str, redis_prefix: str,
+    options: str,
 ) -> None:
-    proxy = await make_proxy("redis")
+    """On the store's own connection (store/resp.py) and on redis-py's (a url with options only it implements)."""
+    proxy = await make_proxy(storage_section={"postgres": {"dsn": clean_pg, "pool_min": 1, "pool_max": 10},
+                                              "redis": {"url": with_query(redis_url, options),
+                                                        "key_prefix": redis_prefix}})
     store = proxy.proxy.store
     assert isinstance(store, RedisFrontedStore) and store._pipelines is not None
+    assert (store._lean is None) == bool(options)
+
+    def sent() -> tuple[int, int]:  # (pipelines, script calls) so far
+        assert store._pipelines is not None
+        return store._pipelines.batches, store._pipelines.items
+
     pg = durable(proxy)
-    before = pg.statements
+    before, (trips, calls) = pg.statements, sent()
     answers = await asyncio.gather(*(proxy.post("/v1/charges", key=f"b-{n}", body=CHARGE) for n in range(60)))
     assert [resp.status for resp, _ in answers] == [201] * 60
     assert all(upstream.count(key=f"b-{n}") == 1 for n in range(60))
     assert pg.statements - before < 120  # one claim and one completion each, unbatched
-    assert store._pipelines.batches < store._pipelines.items
+    assert sent()[1] - calls >= 120  # a claim and a settle each, in Redis
+    assert sent()[0] - trips < sent()[1] - calls  # they did share pipelines
     replays = await asyncio.gather(*(proxy.post("/v1/charges", key=f"b-{n}", body=CHARGE) for n in range(60)))
     assert all(resp.headers["Idempotent-Replayed"] == "true" and body == first[1]
                for (resp, body), first in zip(replays, answers, strict=True))
     assert len(upstream.executed) == 60
+    assert redis_errors(proxy) == 0
 
 
 def with_query(url: str, option: str) -> str:
@@ -285,3 +302,42 @@ async def reopen(dsn: str) -> None:
     store = store_on(dsn)
     await store.open()
     await store.close()
+
+
+@pytest.mark.parametrize("options", ["", "health_check_interval=30"], ids=["own-connection", "redis-py"])
+async def test_a_redis_claim_cancelled_on_the_wire_drops_its_lock_when_the_reply_lands(
+    make_proxy: ProxyFactory, redis_relay: Relay, redis_url: str, clean_pg: str, redis_prefix: str,  # noqa: F811
+    options: str,
+) -> None:
+    """The caller of a Redis claim is cancelled while the script is on its way (held in a stalled relay): Redis
+    still runs it and grants the lock, nobody will act on it, so the store drops it when the reply comes back.
+    Without that, the key would answer 409 for up to LOCK_MAX seconds with nobody behind it."""
+    proxy = await make_proxy(storage_section={
+        "postgres": {"dsn": clean_pg, "pool_min": 1, "pool_max": 10},
+        "redis": {"url": with_query(urlsplit(redis_url)._replace(netloc=f"127.0.0.1:{redis_relay.port}").geturl(),
+                                    options), "key_prefix": redis_prefix},
+    })
+    store = proxy.proxy.store
+    assert isinstance(store, RedisFrontedStore) and (store._lean is None) == bool(options)
+    assert (await store.claim("t", "warm", FP, lease=60, ttl=60)).owned  # connected, scripts loaded
+
+    def round_trips() -> int:
+        assert store._pipelines is not None
+        return store._pipelines.batches
+
+    before = round_trips()
+    redis_relay.stall()
+    try:
+        claim = asyncio.ensure_future(store.claim("t", "abandoned", FP, lease=60, ttl=60))
+        while round_trips() == before:  # until its pipeline has left for Redis (no wall clock: the relay stalls
+            await asyncio.sleep(0)  # only as long as this takes, far below the store's 0.5 s socket timeout)
+        claim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await claim
+    finally:
+        redis_relay.restore()
+    lock = store._keys("t", "abandoned")[0]
+    with sync_redis.Redis.from_url(redis_url) as direct:
+        await wait_for(lambda: not store._unlocking and not direct.exists(lock))
+    assert await store.get("t", "abandoned") is None  # it never reached PostgreSQL
+    assert (await store.claim("t", "abandoned", FP, lease=60, ttl=60)).owned  # a retry owns it at once
