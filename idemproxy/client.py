@@ -93,10 +93,6 @@ class UpstreamResponse:
             parts.append(chunk)
         return b"".join(parts)
 
-    async def iter_chunks(self, size: int) -> AsyncIterator[bytes]:
-        while chunk := await self.read_chunk(size):
-            yield chunk
-
     def release(self) -> None:
         """Done with the answer: its connection is pooled again if it was read to the end, else closed."""
         conn, self._conn = self._conn, None

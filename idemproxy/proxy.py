@@ -297,15 +297,25 @@ async def stream_response(
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
     await response.prepare(request)
+    reading = False  # which side failed, if one does: the upstream's read or the client's write
     try:
         if head:
             await response.write(head)
-        async for chunk in upstream.iter_chunks(CHUNK):
+        while True:
+            reading = True
+            chunk = await upstream.read_chunk(CHUNK)
+            if not chunk:
+                break
+            reading = False
             await response.write(chunk)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        # Headers are gone already: the only honest signal left is to cut the connection.
-        log.warning("upstream body broke mid-stream (%s); closing the client connection",
-                    type(exc).__name__)
+        if reading:
+            # Headers are gone already: the only honest signal left is to cut the connection.
+            log.warning("upstream body broke mid-stream (%s); closing the client connection",
+                        type(exc).__name__)
+        else:  # the client hung up (or stalled past the server's limits): its loss, nothing wrong upstream
+            log.info("client went away mid-response (%s); the rest of the upstream's answer is dropped",
+                     type(exc).__name__)
         if request.transport is not None:
             request.transport.close()
         return response

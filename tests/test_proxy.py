@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -13,6 +14,7 @@ from yarl import URL
 from tests.conftest import ProxyFactory
 from tests.rawhttp import build_request, raw_exchange, send_raw
 from tests.servers import free_port
+from tests.test_relay import wait_for
 from tests.upstream import RecordingUpstream
 
 
@@ -144,6 +146,35 @@ async def test_dropped_connection_is_502_reset_and_not_retried(
     assert resp.status == 502
     assert json.loads(body)["code"] == "upstream_reset"
     assert upstream.count(path="/drop") == 1
+
+
+async def test_an_upstream_body_that_breaks_mid_stream_cuts_the_client_and_blames_the_upstream(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await make_proxy("embedded")
+    with caplog.at_level(logging.INFO, "idemproxy.proxy"):
+        async with proxy.session.get(proxy.url + "/stream/broken?size=1000000") as resp:
+            assert resp.status == 200 and resp.content_length == 1000000
+            with pytest.raises(aiohttp.ClientPayloadError):  # cut short: never taken for the whole answer
+                await resp.read()
+    assert "upstream body broke mid-stream" in caplog.text
+    assert "client went away" not in caplog.text
+
+
+async def test_a_client_that_hangs_up_mid_response_is_not_logged_as_an_upstream_fault(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await make_proxy("embedded")
+    with caplog.at_level(logging.INFO, "idemproxy.proxy"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"GET /stream/download?size=200000000 HTTP/1.1\r\nHost: proxy\r\n\r\n")
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(65536)  # the answer is flowing
+        writer.transport.abort()  # and the client is gone
+        await wait_for(lambda: "client went away mid-response" in caplog.text)
+    assert "upstream body broke" not in caplog.text
+    resp, _ = await proxy.post("/after", method="GET", tenant=None)  # the proxy carries on
+    assert resp.status == 200
 
 
 async def test_upstream_status_and_headers_are_passed_through(

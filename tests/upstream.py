@@ -10,7 +10,8 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-Hop: 1              answer with hop-by-hop headers (Connection-named, Keep-Alive)
   X-Test-Server: value       answer with this Server header
   X-Test-No-Server: 1        answer with no Server header at all (not even aiohttp's)
-The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them.
+The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them;
+/stream/broken?size=N declares N bytes and hangs up halfway.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RecordingUpstream:
         app = web.Application(client_max_size=1024**3, handler_args={"auto_decompress": False})
         app.router.add_post("/stream/upload", self.upload)
         app.router.add_get("/stream/download", self.download)
+        app.router.add_get("/stream/broken", self.broken)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_response_prepare.append(_server_header)
         return app
@@ -108,6 +110,18 @@ class RecordingUpstream:
             await response.write(part)
             sent += len(part)
         await response.write_eof()
+        return response
+
+
+    async def broken(self, request: web.Request) -> web.StreamResponse:
+        """Declares ``size`` bytes, sends half of them, then closes the connection."""
+        size = int(request.query["size"])
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        response.content_length = size
+        await response.prepare(request)
+        await response.write(b"b" * (size // 2))
+        assert request.transport is not None
+        request.transport.close()
         return response
 
 
