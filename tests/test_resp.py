@@ -10,7 +10,8 @@ import contextlib
 import random
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any
 
 import pytest
 import redis as sync_redis
@@ -136,32 +137,61 @@ async def test_an_error_reply_stays_with_its_command(redis_url: str, redis_prefi
         client.close()
 
 
-async def test_a_stalled_redis_times_out_and_the_next_batch_reconnects(redis_relay: Relay) -> None:  # noqa: F811
-    async with stalled_client(redis_relay, timeout=0.3) as client:
-        pending = [asyncio.ensure_future(client.execute([(b"ECHO", str(n))])) for n in range(3)]
-        outcomes = await asyncio.gather(*pending, return_exceptions=True)
-        assert all(isinstance(o, RedisTimeoutError) for o in outcomes), outcomes
-        redis_relay.restore()
-        assert await client.execute([(b"ECHO", "fresh")]) == [b"fresh"]
-        assert client.connects == 2  # the batch after a timeout went on a new connection
+async def on_loop(loop: str, work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` on this test's loop (asyncio's) or on uvloop's, the product's (its timers run on libuv's
+    millisecond clock)."""
+    if loop == "uvloop":
+        await asyncio.to_thread(uvloop.run, work)
+    else:
+        await work
 
 
+LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+
+
+@LOOPS
+async def test_a_stalled_redis_times_out_and_the_next_batch_reconnects(
+    redis_relay: Relay, loop: str  # noqa: F811
+) -> None:
+    async def work() -> None:
+        async with stalled_client(redis_relay, timeout=0.3) as client:
+            pending = [asyncio.ensure_future(client.execute([(b"ECHO", str(n))])) for n in range(3)]
+            outcomes = await asyncio.gather(*pending, return_exceptions=True)
+            assert all(isinstance(o, RedisTimeoutError) for o in outcomes), outcomes
+            redis_relay.restore()
+            assert await client.execute([(b"ECHO", "fresh")]) == [b"fresh"]
+            assert client.connects == 2  # the batch after a timeout went on a new connection
+
+    await on_loop(loop, work())
+
+
+@LOOPS
 async def test_a_slow_answer_is_not_a_timeout_while_replies_keep_coming(
-    redis_url: str, redis_prefix: str,
+    redis_url: str, redis_prefix: str, loop: str,
 ) -> None:
     """The deadline counts from the last byte heard: two 0.35 s answers in a row, on a 0.5 s timeout, both land
     (the second is still owed when the first batch's deadline passes)."""
-    client = RespClient(redis_url, timeout=0.5)
-    try:
-        first = asyncio.ensure_future(client.execute([(b"EVAL", BUSY, 0, 350, "a")]))
-        await asyncio.sleep(0.05)
-        second = asyncio.ensure_future(client.execute([(b"EVAL", BUSY, 0, 350, "b")]))
-        assert await first == [b"a"] and await second == [b"b"]
-        assert client.connects == 1
-        with pytest.raises(RedisTimeoutError):  # one answer slower than the timeout does fail
-            await client.execute([(b"EVAL", BUSY, 0, 1000, "c")])
-    finally:
-        client.close()
+    async def work() -> None:
+        client = RespClient(redis_url, timeout=0.5)
+        try:
+            first = asyncio.ensure_future(client.execute([(b"EVAL", BUSY, 0, 350, "a")]))
+            await asyncio.sleep(0.05)
+            second = asyncio.ensure_future(client.execute([(b"EVAL", BUSY, 0, 350, "b")]))
+            assert await first == [b"a"] and await second == [b"b"]
+            assert client.connects == 1
+            # Replies that stop coming after some did: the deadline moved with the first reply, and still holds.
+            first = asyncio.ensure_future(client.execute([(b"EVAL", BUSY, 0, 350, "c")]))
+            await asyncio.sleep(0.05)
+            stuck = asyncio.ensure_future(client.execute([(b"EVAL", BUSY, 0, 1000, "d")]))
+            assert await first == [b"c"]
+            with pytest.raises(RedisTimeoutError):
+                await stuck
+            with pytest.raises(RedisTimeoutError):  # one answer slower than the timeout does fail
+                await client.execute([(b"EVAL", BUSY, 0, 1000, "e")])
+        finally:
+            client.close()
+
+    await on_loop(loop, work())
 
 
 async def test_a_cut_fails_what_is_on_the_wire_and_the_next_batch_reconnects(redis_relay: Relay) -> None:  # noqa: F811

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -97,7 +96,9 @@ class _Connection(asyncio.Protocol):
         self.waiters: collections.deque[_Waiter] = collections.deque()
         self.closed = False
         self.timeout = timeout
-        self.heard = time.monotonic()  # when bytes last arrived (a slow answer that moves is not a timeout)
+        # The watchdog's deadlines are on the loop's clock, as its timers are (uvloop's is libuv's, in ms).
+        self.loop = asyncio.get_running_loop()
+        self.heard = self.loop.time()  # when bytes last arrived (a slow answer that moves is not a timeout)
         self.watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -106,13 +107,13 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes, owed: int) -> asyncio.Future[list[Any]]:
         if self.closed or self.transport is None or self.transport.is_closing():
             raise RedisConnectionError("connection to redis is closed")
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[list[Any]] = self.loop.create_future()
         if not self.waiters:
-            self.heard = time.monotonic()  # the clock for this batch's answer starts now
+            self.heard = self.loop.time()  # the clock for this batch's answer starts now
         self.waiters.append(_Waiter(future, owed))
         self.transport.write(data)
         if self.watchdog is None:
-            self.watchdog = asyncio.get_running_loop().call_at(self.heard + self.timeout, self._watch)
+            self.watchdog = self.loop.call_at(self.heard + self.timeout, self._watch)
         return future
 
     def _watch(self) -> None:
@@ -121,13 +122,13 @@ class _Connection(asyncio.Protocol):
         if not self.waiters or self.closed:
             return
         due = self.heard + self.timeout
-        if time.monotonic() >= due:
+        if self.loop.time() >= due:
             self.fail(RedisTimeoutError(f"no reply from redis within {self.timeout:g} s"))
         else:
-            self.watchdog = asyncio.get_running_loop().call_at(due, self._watch)
+            self.watchdog = self.loop.call_at(due, self._watch)
 
     def data_received(self, data: bytes) -> None:
-        self.heard = time.monotonic()
+        self.heard = self.loop.time()
         try:
             self.reader.feed(data)
             while (value := self.reader.gets()) is not False:
