@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pwd
+import random
 import shutil
 import socket
 import stat
@@ -23,8 +24,38 @@ from pathlib import Path
 RUN_AS = "nobody"
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now, for a server a test starts next, chosen below the kernel's ephemeral range.
+
+    A port the kernel picked (a bind to port 0) comes from that range, and any outgoing connection (a client,
+    a store pool) may take it before the server binds it: that failed a CI run with "address already in use".
+    Ports below the range are never handed to outgoing connections; each is handed out once per test run."""
+    low, _ = _ephemeral_range()
+    bottom, top = max(1024, low - 20_000), low - 1
+    rng = random.SystemRandom()
+    for _ in range(200 if top - bottom >= 1000 else 0):
+        port = rng.randint(bottom, top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken (a listener, or a socket of another run)
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as sock:  # no room below the range: let the kernel pick
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
