@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.values import MutexValue
 
 # From 100 µs, so the proxy's own sub-millisecond overhead is resolved, up past the longest upstream call.
 BUCKETS = (
@@ -153,21 +154,41 @@ class StoreMetrics:
         self.error = incrementer(errors)
 
 
-# Every request updates three or four metrics; prometheus-client's public methods check on each call what a
-# child of a label set always passes, and walk the buckets in Python. The shortcuts below update the very same
-# values (plain or multiprocess), and fall back to the public methods where the private names are missing.
+# Every request updates about ten values (three histograms and four store timings, a counter, the in-flight gauge);
+# prometheus-client's public methods check on each call what a child of a label set always passes, walk the buckets
+# in Python, and take a lock per value. The shortcuts below update the very same values. A value of this process
+# alone (``MutexValue``) is written without its lock: every metric write happens on the event loop's thread (the
+# only other threads, the embedded store's SQLite worker and the trace exporter, write none), and the lock only
+# guards writers on several threads; the exposition, also on the loop, reads each float whole. Multiprocess values
+# (``--workers``: a shared file) keep their own ``inc``, and a missing private name falls back to the public method.
+
+
+def _unshared(value: object) -> bool:
+    """A value held in this process alone: its lock-free update is safe from the loop's thread."""
+    return type(value) is MutexValue
 
 
 def incrementer(counter: Counter) -> Callable[[], None]:
     """``counter.inc()`` for a counter without labels or a labelled child."""
-    value = getattr(counter, "_value", None)
+    return adder(counter)
+
+
+def adder(metric: Counter | Gauge, amount: float = 1.0) -> Callable[[], None]:
+    """``metric.inc(amount)`` (a gauge's ``dec()`` is ``adder(gauge, -1)``) for a metric without labels or a
+    labelled child."""
+    value = getattr(metric, "_value", None)
+    if _unshared(value):
+        def add_unshared() -> None:
+            value._value += amount  # type: ignore[union-attr]
+
+        return add_unshared
     if value is None or not hasattr(value, "inc"):
-        return counter.inc
+        return lambda: metric.inc(amount)  # a gauge takes a negative amount
 
-    def inc() -> None:
-        value.inc(1)
+    def add() -> None:
+        value.inc(amount)
 
-    return inc
+    return add
 
 
 def observer(histogram: Histogram) -> Callable[[float], None]:
@@ -177,6 +198,12 @@ def observer(histogram: Histogram) -> Callable[[float], None]:
     if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
         return histogram.observe
     upper = list(bounds)
+    if _unshared(total) and all(_unshared(bucket) for bucket in buckets):
+        def observe_unshared(amount: float) -> None:
+            total._value += amount
+            buckets[bisect_left(upper, amount)]._value += 1
+
+        return observe_unshared
 
     def observe(amount: float) -> None:
         total.inc(amount)
