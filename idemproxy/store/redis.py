@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +137,39 @@ class _Fast:
     kind: str  # completed | in_flight | acquired | foreign (a lock with another fingerprint: ask the durable store)
     record: Record | None = None
     epoch: str = UNKNOWN_EPOCH
+
+
+class _FastStep:
+    """One Redis step (``RedisFrontedStore._fast``): skipped while the breaker is open; its errors swallowed
+    (noted, breaker opened); its duration observed when Redis was used."""
+
+    __slots__ = ("_operation", "_started", "_store", "usable")
+
+    def __init__(self, store: RedisFrontedStore, operation: str) -> None:
+        self._store = store
+        self._operation = operation
+        self.usable = time.monotonic() >= store._down_until
+        self._started = 0.0
+
+    def __enter__(self) -> _FastStep:
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
+        if not self.usable:  # skipped: nothing ran, nothing to note (an error here is not Redis's)
+            return False
+        store = self._store
+        swallowed = exc is not None and isinstance(exc, store._fast_errors)
+        if swallowed:
+            assert exc is not None
+            self.usable = False
+            store._fast_failed(self._operation, exc)
+        elif exc is None and store._degraded:
+            log.warning("redis answers again; fast path restored")
+            store._degraded = False
+        if store.metrics is not None and self.usable:
+            store.metrics.store_children("redis", self._operation).duration(time.perf_counter() - self._started)
+        return swallowed
 
 
 def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
@@ -364,42 +396,28 @@ class RedisFrontedStore(Store):
             self._settle_script, keys, [token, b"", 1, self.channel, b"", UNKNOWN_EPOCH, "0"]),
             "dropping an abandoned claim's Redis lock (it expires by itself)")
 
-    @contextlib.asynccontextmanager
-    async def _fast(self, operation: str) -> AsyncIterator[list[bool]]:
-        """Run a Redis step; on any Redis error note it, open the breaker and carry on without it.
+    def _fast(self, operation: str) -> _FastStep:
+        """``with self._fast(operation) as step``: run a Redis step only when ``step.usable``; on any Redis error
+        note it, open the breaker and carry on without it (the error is swallowed and ``step.usable`` turns
+        false). A class, not ``asynccontextmanager``: an async generator per step cost more than the step's
+        own bookkeeping (two steps per first request)."""
+        return _FastStep(self, operation)
 
-        Yields a one-item list the caller reads to learn whether Redis may be used at all.
-        """
-        usable = [time.monotonic() >= self._down_until]
-        if not usable[0]:
-            yield usable
-            return
-        started = time.perf_counter()
-        try:
-            yield usable
-        except self._fast_errors as exc:
-            usable[0] = False
-            if self.metrics is not None:
-                self.metrics.store_children("redis", operation).error()
-            if not self._degraded:  # one line per outage, not one per request
-                log.warning("redis %s failed (%s); serving from %s alone until it answers again",
-                            operation, type(exc).__name__, self.durable.backend)
-            self._degraded = True
-            self._down_until = time.monotonic() + BREAKER_COOLDOWN
-        else:
-            if self._degraded:
-                log.warning("redis answers again; fast path restored")
-                self._degraded = False
-        finally:
-            if self.metrics is not None and usable[0]:
-                self.metrics.store_children("redis", operation).duration(time.perf_counter() - started)
+    def _fast_failed(self, operation: str, exc: BaseException) -> None:
+        if self.metrics is not None:
+            self.metrics.store_children("redis", operation).error()
+        if not self._degraded:  # one line per outage, not one per request
+            log.warning("redis %s failed (%s); serving from %s alone until it answers again",
+                        operation, type(exc).__name__, self.durable.backend)
+        self._degraded = True
+        self._down_until = time.monotonic() + BREAKER_COOLDOWN
 
     # ------------------------------------------------------------------ operations
 
     async def _fast_claim(self, tenant: str, key: str, fingerprint: str, token: str,
                           lease: float) -> _Fast | None:
-        async with self._fast("claim") as usable:
-            if usable[0]:
+        with self._fast("claim") as step:
+            if step.usable:
                 reply = await self._script(
                     self._claim_script, self._keys(tenant, key),
                     [f"{token} {fingerprint} {int((time.time() + lease) * 1000)}",
@@ -471,8 +489,8 @@ class RedisFrontedStore(Store):
         """Cache ``payload`` (if any, and only if the epoch is still ``epoch``), drop the lock if ``token``
         holds it, and wake waiters when ``publish``."""
         cache_ms = max(1, int(min(self.config.replay_cache_ttl, ttl) * 1000))
-        async with self._fast("settle") as usable:
-            if usable[0]:
+        with self._fast("settle") as step:
+            if step.usable:
                 await self._script(
                     self._settle_script, self._keys(tenant, key),
                     [token, payload, cache_ms, self.channel, self.watchers.message(tenant, key), epoch,
