@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from aiohttp import web
@@ -32,7 +33,7 @@ from multidict import CIMultiDict
 from idemproxy.client import UpstreamResponse
 from idemproxy.config import LEASE_MARGIN, TENANT_MAX_BYTES, Config, IdempotencyConfig
 from idemproxy.fingerprint import Fingerprinter
-from idemproxy.metrics import Metrics
+from idemproxy.metrics import Metrics, adder
 from idemproxy.problems import (
     BadRequest,
     BodyTooLarge,
@@ -163,6 +164,7 @@ class Engine:
         store.announce_completions(config.waits)  # only `wait` requests listen for a completion
         store.watchers.listeners.append(self.replays.invalidate)
         self._tasks: set[asyncio.Task[_Forwarded | web.Response]] = set()
+        self._in_flight_up, self._in_flight_down = adder(metrics.in_flight), adder(metrics.in_flight, -1)
         # Access lines are written at the configured level (so "debug" hides them under an info root).
         level = config.log.access
         self._access_level: int | None = None if level == "OFF" else logging.getLevelName(level)
@@ -412,13 +414,18 @@ class Engine:
     async def _execute(
         self, request: web.BaseRequest, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
     ) -> web.StreamResponse:
-        task = asyncio.ensure_future(self._forward_and_settle(request, claim, body, idem, ex))
+        # The forward runs in a task of its own, which this handler waits for without owning it (as
+        # asyncio.shield, with one future and one callback instead of shield's two of each): a cancelled handler
+        # (a client gone, a shutdown past its timeout) leaves the forward and its settle running.
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._forward_and_settle(request, claim, body, idem, ex))
+        done = loop.create_future()
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        self.metrics.in_flight.inc()
-        task.add_done_callback(lambda _: self.metrics.in_flight.dec())
+        self._in_flight_up()
+        task.add_done_callback(partial(self._forward_done, done))
         try:
-            forwarded = await asyncio.shield(task)
+            await done
+            forwarded = task.result()
         except asyncio.CancelledError:
             task.add_done_callback(_release_upstream)  # nobody will read the answer now
             raise
@@ -441,6 +448,12 @@ class Engine:
             )
         finally:
             forwarded.upstream.release()
+
+    def _forward_done(self, done: asyncio.Future[None], task: asyncio.Task[_Forwarded | web.Response]) -> None:
+        self._tasks.discard(task)
+        self._in_flight_down()
+        if not done.done():  # (cancelled when the handler was)
+            done.set_result(None)
 
     async def _forward_and_settle(
         self, request: web.BaseRequest, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
