@@ -24,7 +24,7 @@ from idemproxy.config import CompressionConfig, EncryptionConfig, Secret, load_c
 from idemproxy.metrics import Metrics
 from idemproxy.problems import RecordUnreadable
 from idemproxy.store import State, Store, StoredResponse, build_store
-from idemproxy.store.codec import COMPRESSED, FRAMED, MAGIC, SEALED, Codec, key_id
+from idemproxy.store.codec import COMPRESSED, FRAMED, MAGIC, SEALED, Codec, headers_json, json_encoder, key_id
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import BACKENDS, ProxyFactory, StorageFactory
 from tests.upstream import RecordingUpstream
@@ -428,3 +428,22 @@ def test_arbitrary_stored_bytes_either_open_or_are_refused_never_crash(flags: in
     deep = MAGIC + bytes([0]) + (b"\x00\x01\x00\x00" + b"[" * 65536)
     with pytest.raises(RecordUnreadable):
         c.unpack("t", "k", deep, backend="postgres")
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON_VALUES)
+def test_the_encoders_built_once_write_what_json_writes(value: Any) -> None:
+    """Stored headers and the Redis record header go through a C encoder built once (``json_encoder``): the
+    same text as the public encoders, byte for byte, and the fast path is the one in use on this Python."""
+    compact = json_encoder(",", ":")
+    assert compact.__qualname__ == headers_json.__qualname__ == "json_encoder.<locals>.encode"
+    assert headers_json(value) == json.dumps(value)
+    assert compact(value) == json.JSONEncoder(separators=(",", ":")).encode(value)

@@ -48,7 +48,7 @@ from idemproxy.store.base import (
     new_token,
 )
 from idemproxy.store.batch import Batcher, follow_up
-from idemproxy.store.codec import PLAIN, Codec
+from idemproxy.store.codec import PLAIN, Codec, json_encoder
 from idemproxy.store.resp import RespClient, supports
 
 log = logging.getLogger("idemproxy.store.redis")
@@ -126,8 +126,8 @@ _FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
 _CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError)
 
 
-# json.dumps builds a new encoder for every call with non-default arguments; this one is built once.
-_compact_json = json.JSONEncoder(separators=(",", ":")).encode
+# The record header's JSON, by an encoder built once (json.dumps builds one per call).
+_compact_json = json_encoder(",", ":")
 
 _ScriptCall = tuple[Any, list[str], list[Any]]  # a registered script, its keys, its arguments
 
