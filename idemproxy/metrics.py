@@ -157,10 +157,12 @@ class StoreMetrics:
 # Every request updates about ten values (three histograms and four store timings, a counter, the in-flight gauge);
 # prometheus-client's public methods check on each call what a child of a label set always passes, walk the buckets
 # in Python, and take a lock per value. The shortcuts below update the very same values. A value of this process
-# alone (``MutexValue``) is written without its lock: every metric write happens on the event loop's thread (the
-# only other threads, the embedded store's SQLite worker and the trace exporter, write none), and the lock only
-# guards writers on several threads; the exposition, also on the loop, reads each float whole. Multiprocess values
-# (``--workers``: a shared file) keep their own ``inc``, and a missing private name falls back to the public method.
+# alone (``MutexValue``) is written without its lock, which only guards writers on several threads: the metrics
+# given a shortcut (request counts and durations, store timings and errors, the in-flight gauge) are written on the
+# event loop's thread alone, and the exposition, also on the loop, reads each float whole. A metric written from
+# another thread must keep the public, locked method and never get a shortcut: the embedded store's SQLite worker
+# counts unreadable records (``records_unreadable``, codec.py) that way. Multiprocess values (``--workers``: a
+# shared file) keep their own ``inc``, and a missing private name falls back to the public method.
 
 
 def _unshared(value: object) -> bool:
