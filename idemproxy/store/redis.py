@@ -159,17 +159,16 @@ class _FastStep:
         if not self.usable:  # skipped: nothing ran, nothing to note (an error here is not Redis's)
             return False
         store = self._store
-        swallowed = exc is not None and isinstance(exc, store._fast_errors)
-        if swallowed:
-            assert exc is not None
+        if isinstance(exc, store._fast_errors):  # noted, breaker opened; the caller goes on without Redis
             self.usable = False
             store._fast_failed(self._operation, exc)
-        elif exc is None and store._degraded:
+            return True
+        if exc is None and store._degraded:
             log.warning("redis answers again; fast path restored")
             store._degraded = False
-        if store.metrics is not None and self.usable:
+        if store.metrics is not None:
             store.metrics.store_children("redis", self._operation).duration(time.perf_counter() - self._started)
-        return swallowed
+        return False
 
 
 def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
