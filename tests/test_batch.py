@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -16,7 +18,7 @@ import redis as sync_redis
 from idemproxy.config import load_config
 from idemproxy.problems import StoreRejected, StoreUnavailable
 from idemproxy.store import StoredResponse
-from idemproxy.store.base import Watchers
+from idemproxy.store.base import Claim, Watchers
 from idemproxy.store.batch import Batcher
 from idemproxy.store.postgres import BATCH_BYTES, BATCHES_IN_FLIGHT, NOTIFY_CHANNEL, PostgresStore
 from idemproxy.store.redis import RedisFrontedStore
@@ -273,6 +275,70 @@ async def test_completion_batches_stay_under_their_byte_cap(pg_store: PostgresSt
     before = pg_store._completes.batches
     assert await asyncio.gather(*(pg_store.complete(c, big, ttl=60) for c in claims)) == [True] * 3
     assert pg_store._completes.batches - before == 3  # two of them together would pass the cap
+
+
+async def decisions(store: PostgresStore, prefix: str, *, together: bool) -> list[tuple[object, ...]]:
+    """What the store decides for each kind of claim and completion, each call sent alone or (``together``) in a
+    batch with three other calls of its kind, on keys of their own."""
+    fillers = iter(range(10_000))
+
+    async def claim(key: str, fp: str, lease: float = 30) -> Claim:
+        call = store.claim("t", prefix + key, fp, lease=lease, ttl=60)
+        if not together:
+            return await call
+        batches = store._claims.batches
+        got, *_ = await asyncio.gather(call, *(store.claim("t", f"{prefix}f{next(fillers)}", FP, lease=30, ttl=60)
+                                              for _ in range(3)))
+        assert store._claims.batches == batches + 1  # the four left in one statement
+        return got
+
+    async def complete(claim: Claim) -> bool:
+        if not together:
+            return await store.complete(claim, OK, ttl=60)
+        others = [await store.claim("t", f"{prefix}f{next(fillers)}", FP, lease=30, ttl=60) for _ in range(3)]
+        batches = store._completes.batches
+        done, *rest = await asyncio.gather(*(store.complete(c, OK, ttl=60) for c in (claim, *others)))
+        assert rest == [True] * 3 and store._completes.batches == batches + 1
+        return done
+
+    def seen(claim: Claim, owner: Claim) -> tuple[object, ...]:
+        record = claim.record
+        return (claim.owned, claim.took_over, claim.replaced_expired, record.state, record.fingerprint,
+                record.lease_token == owner.token, record.response, abs(claim.now - time.time()) < 5)
+
+    owner = await claim("k", FP)
+    steps = [seen(owner, owner), seen(await claim("k", FP), owner), seen(await claim("k", "e" * 64), owner)]
+    forged = Claim(record=replace(owner.record, lease_token="forged"), owned=True, now=owner.now)
+    steps += [(await complete(forged),), (await complete(owner),), seen(await claim("k", FP), owner)]
+    lapsed = await claim("lapsed", FP, lease=0)  # its lease ran out as it was granted
+    taker = await claim("lapsed", FP)
+    steps += [seen(taker, taker), (await complete(lapsed),), (await complete(taker),)]
+    return steps
+
+
+async def test_a_lone_call_runs_the_per_key_function_and_decides_as_a_batched_one(
+    pg_store: PostgresStore, clean_pg: str
+) -> None:
+    """At low load a batch is one call: it runs idemproxy_claim / idemproxy_complete itself (no arrays to encode,
+    no loop), and must decide exactly as the batch functions, which loop over the same per-key functions."""
+    batched = await decisions(pg_store, "b-", together=True)
+    assert batched[:3] == [
+        (True, False, False, "in_flight", FP, True, None, True),  # the first: owner
+        (False, False, False, "in_flight", FP, True, None, True),  # the same again: in flight, the owner's
+        (False, False, False, "in_flight", FP, True, None, True),  # another payload: the record, for a 422
+    ]
+    assert batched[3:6] == [(False,), (True,), (False, False, False, "completed", FP, False, OK, True)]
+    assert batched[6:] == [(True, True, False, "in_flight", FP, True, None, True), (False,), (True,)]
+    conn = await asyncpg.connect(clean_pg)
+    await conn.execute("DROP FUNCTION idemproxy_claim_many, idemproxy_complete_many")
+    await conn.close()
+    try:  # the store still believes it may batch: only calls sent alone can work now
+        assert await decisions(pg_store, "l-", together=False) == batched
+        pair = await asyncio.gather(*(pg_store.claim("t", f"pair-{n}", FP, lease=30, ttl=60) for n in range(2)),
+                                    return_exceptions=True)
+        assert all(isinstance(result, StoreUnavailable) for result in pair)  # a batch of two needs them
+    finally:
+        await reopen(clean_pg)
 
 
 async def test_a_schema_without_the_batch_functions_goes_one_call_at_a_time(clean_pg: str) -> None:

@@ -273,6 +273,13 @@ _P_CLAIM_MANY = (
 _P_COMPLETE_MANY = (
     "SELECT c.idx, c.changed FROM idemproxy_complete_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) AS c"
 )
+# A batch of one call (every call at low load) runs the per-key function the batch functions loop over, and returns
+# the same columns: no arrays to encode (asyncpg checks each element against collections.abc) and no loop to plan.
+_P_CLAIM_ONE = (
+    "SELECT 1 AS idx, (c.rec).*, c.owned, CASE WHEN c.owned THEN c.db_now ELSE clock_timestamp() END AS db_now "
+    "FROM idemproxy_claim($1, $2, $3, $4, $5, $6) AS c"
+)
+_P_COMPLETE_ONE = "SELECT 1 AS idx, idemproxy_complete($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) AS changed"
 # One statement timeout or cut fails every call of its batch, so batches stay small: at most this many calls, and
 # completions at most BATCH_BYTES of stored answers (a larger single answer goes alone).
 BATCH_MAX = 64
@@ -740,13 +747,13 @@ class PostgresStore(Store):
         if self.layout != before:
             log.warning("%s is now %s; following it", TABLE, "partitioned" if self.layout == "daily" else "one table")
 
-    async def _batch(self, operation: str, statement: str, calls: list[Any], columns: list[Any]) -> list[Any]:
+    async def _batch(self, operation: str, statement: str, calls: list[Any], arguments: list[Any]) -> list[Any]:
         """One statement for a batch of calls: the rows it returned, by call (``idx`` counts from 1). When the
         statement refused one call's own data, the batch failed as a whole: each call is then sent alone, so
         only that one fails."""
         try:
             async with self._connection(operation) as conn:
-                rows = await conn.fetch(statement, *columns)
+                rows = await conn.fetch(statement, *arguments)
         except (StoreRejected, StoreUnavailable) as exc:
             if len(calls) == 1 or not isinstance(exc.__cause__, _DATA_ERRORS):
                 raise
@@ -772,13 +779,19 @@ class PostgresStore(Store):
                   "releasing an abandoned claim (it keeps its lease until it runs out)")
 
     async def _claim_batch(self, calls: list[_ClaimCall]) -> list[Any]:
+        if len(calls) == 1:
+            return await self._batch("claim", _P_CLAIM_ONE, calls, list(calls[0]))
         return await self._batch("claim", _P_CLAIM_MANY, calls, [list(column) for column in zip(*calls, strict=True)])
 
     async def _complete_batch(self, calls: list[_CompleteCall]) -> list[Any]:
-        columns: list[list[Any]] = [list(column) for column in zip(*calls, strict=True)]
-        payloads = columns.pop()
         channel = NOTIFY_CHANNEL if self.listen and self.announcing else None
-        rows = await self._batch("complete", _P_COMPLETE_MANY, calls, [*columns, channel, payloads])
+        if len(calls) == 1:
+            *fields, payload = calls[0]
+            rows = await self._batch("complete", _P_COMPLETE_ONE, calls, [*fields, channel, payload])
+        else:
+            columns: list[list[Any]] = [list(column) for column in zip(*calls, strict=True)]
+            payloads = columns.pop()
+            rows = await self._batch("complete", _P_COMPLETE_MANY, calls, [*columns, channel, payloads])
         return [row if isinstance(row, BaseException) else int(row["changed"]) for row in rows]
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
