@@ -341,6 +341,50 @@ async def test_a_lone_call_runs_the_per_key_function_and_decides_as_a_batched_on
         await reopen(clean_pg)
 
 
+async def claim_behind_a_lock(store: PostgresStore, dsn: str, key: str, *, together: bool) -> tuple[Claim, float]:
+    """Claim ``key`` (alone, or with another key in one batch) while another session holds the key's lock: the
+    claim, and the wall-clock time the lock was let go."""
+    held = await hold_key_locks(dsn, [key])
+    calls = [store.claim("t", key, FP, lease=30, ttl=60)]
+    if together:
+        calls.append(store.claim("t", f"{key}-other", FP, lease=30, ttl=60))
+    claims = asyncio.gather(*calls)
+    try:
+        while not await held.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                      "AND datname = current_database()"):
+            pass  # one round trip per look, until the claim's transaction waits on the lock
+        await asyncio.sleep(0.2)  # not a race: the interval between that transaction's start and its read
+        released = time.time()
+    finally:
+        await held.close()
+    return (await claims)[0], released
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
+async def test_an_owner_counts_from_its_transaction_start_a_standing_record_from_when_it_was_read(
+    pg_store: PostgresStore, clean_pg: str, together: bool
+) -> None:
+    """The owner's lease was counted from the transaction's start, so its clock is that; a record that stands is
+    judged (a cached copy's lifetime, lease_expires_in) by the clock when it was read, later."""
+    owner, released = await claim_behind_a_lock(pg_store, clean_pg, "new", together=together)
+    assert owner.owned and owner.now < released - 0.1
+    await pg_store.claim("t", "standing", FP, lease=30, ttl=60)
+    standing, released = await claim_behind_a_lock(pg_store, clean_pg, "standing", together=together)
+    assert not standing.owned and standing.now >= released - 0.01
+
+
+async def test_a_completion_postgresql_refuses_fails_alone_and_the_others_are_told_they_landed(
+    pg_store: PostgresStore,
+) -> None:
+    claims = await asyncio.gather(*(pg_store.claim("t", f"c{n}", FP, lease=30, ttl=60) for n in range(3)))
+    done = await asyncio.gather(pg_store.complete(claims[0], OK, ttl=60), pg_store.complete(claims[1], OK, ttl=1e300),
+                                pg_store.complete(claims[2], OK, ttl=60), return_exceptions=True)
+    assert done[0] is True and done[2] is True, done
+    assert isinstance(done[1], StoreUnavailable)  # a timestamp out of range: that call alone
+    assert [(await pg_store.get("t", f"c{n}")).state for n in range(3)] == [  # type: ignore[union-attr]
+        "completed", "in_flight", "completed"]
+
+
 async def test_a_schema_without_the_batch_functions_goes_one_call_at_a_time(clean_pg: str) -> None:
     """A schema last migrated by an older version (migrate: off) has only the per-key functions."""
     await reopen(clean_pg)  # the schema, as a replica with migrate: auto makes it

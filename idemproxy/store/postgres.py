@@ -329,6 +329,12 @@ _ClaimCall = tuple[str, str, str, str, float, float]
 _CompleteCall = tuple[str, str, str, int, str, bytes, bool, float, datetime, str | None]
 
 
+def _claim_statement(calls: list[_ClaimCall]) -> tuple[str, list[Any]]:
+    if len(calls) == 1:
+        return _P_CLAIM_ONE, list(calls[0])
+    return _P_CLAIM_MANY, [list(column) for column in zip(*calls, strict=True)]
+
+
 def _epoch(value: datetime | None) -> float | None:
     return value.timestamp() if value is not None else None
 
@@ -747,21 +753,23 @@ class PostgresStore(Store):
         if self.layout != before:
             log.warning("%s is now %s; following it", TABLE, "partitioned" if self.layout == "daily" else "one table")
 
-    async def _batch(self, operation: str, statement: str, calls: list[Any], arguments: list[Any]) -> list[Any]:
-        """One statement for a batch of calls: the rows it returned, by call (``idx`` counts from 1). When the
-        statement refused one call's own data, the batch failed as a whole: each call is then sent alone, so
-        only that one fails."""
+    async def _batch(
+        self, operation: str, statement_for: Callable[[list[Any]], tuple[str, list[Any]]], calls: list[Any]
+    ) -> list[Any]:
+        """One statement for a batch of calls (``statement_for`` gives it and its arguments): the rows it returned,
+        by call (``idx`` counts from 1). When the statement refused one call's own data, the batch failed as a
+        whole: each call is then sent alone, so only that one fails."""
+        statement, arguments = statement_for(calls)
         try:
             async with self._connection(operation) as conn:
                 rows = await conn.fetch(statement, *arguments)
         except (StoreRejected, StoreUnavailable) as exc:
             if len(calls) == 1 or not isinstance(exc.__cause__, _DATA_ERRORS):
                 raise
-            send_one = self._claim_batch if operation == "claim" else self._complete_batch
             alone: list[Any] = []
             for call in calls:
                 try:
-                    alone.extend(await send_one([call]))
+                    alone.extend(await self._batch(operation, statement_for, [call]))
                 except (StoreRejected, StoreUnavailable) as one:
                     alone.append(one)
             return alone
@@ -779,20 +787,20 @@ class PostgresStore(Store):
                   "releasing an abandoned claim (it keeps its lease until it runs out)")
 
     async def _claim_batch(self, calls: list[_ClaimCall]) -> list[Any]:
-        if len(calls) == 1:
-            return await self._batch("claim", _P_CLAIM_ONE, calls, list(calls[0]))
-        return await self._batch("claim", _P_CLAIM_MANY, calls, [list(column) for column in zip(*calls, strict=True)])
+        return await self._batch("claim", _claim_statement, calls)
 
     async def _complete_batch(self, calls: list[_CompleteCall]) -> list[Any]:
+        rows = await self._batch("complete", self._complete_statement, calls)
+        return [row if isinstance(row, BaseException) else int(row["changed"]) for row in rows]
+
+    def _complete_statement(self, calls: list[_CompleteCall]) -> tuple[str, list[Any]]:
         channel = NOTIFY_CHANNEL if self.listen and self.announcing else None
         if len(calls) == 1:
             *fields, payload = calls[0]
-            rows = await self._batch("complete", _P_COMPLETE_ONE, calls, [*fields, channel, payload])
-        else:
-            columns: list[list[Any]] = [list(column) for column in zip(*calls, strict=True)]
-            payloads = columns.pop()
-            rows = await self._batch("complete", _P_COMPLETE_MANY, calls, [*columns, channel, payloads])
-        return [row if isinstance(row, BaseException) else int(row["changed"]) for row in rows]
+            return _P_COMPLETE_ONE, [*fields, channel, payload]
+        columns: list[list[Any]] = [list(column) for column in zip(*calls, strict=True)]
+        payloads = columns.pop()
+        return _P_COMPLETE_MANY, [*columns, channel, payloads]
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         tenant, key, token = claim.record.tenant, claim.record.key, claim.token
