@@ -275,6 +275,8 @@ _P_COMPLETE_MANY = (
 )
 # A batch of one call (every call at low load) runs the per-key function the batch functions loop over, and returns
 # the same columns: no arrays to encode (asyncpg checks each element against collections.abc) and no loop to plan.
+# The claim's db_now rule is idemproxy_claim_many's, copied: a migration changing one must change both (pinned by
+# tests/test_batch.py::test_an_owner_counts_from_its_transaction_start_a_standing_record_from_when_it_was_read).
 _P_CLAIM_ONE = (
     "SELECT 1 AS idx, (c.rec).*, c.owned, CASE WHEN c.owned THEN c.db_now ELSE clock_timestamp() END AS db_now "
     "FROM idemproxy_claim($1, $2, $3, $4, $5, $6) AS c"
