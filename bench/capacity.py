@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from idemproxy.config import load_config
 from idemproxy.store import Store, StoredResponse, build_store
-from idemproxy.store.redis import RedisFrontedStore
+from idemproxy.store.base import Record, State
+from idemproxy.store.redis import RedisFrontedStore, _encode
 
 FP = "ab" * 32
 BODY = json.dumps({"id": "ch_" + "x" * 24, "object": "charge", "amount": 1000, "currency": "eur",
@@ -179,19 +180,31 @@ async def first_with_ttl(store: Store, key: str, ttl: float) -> None:
 
 
 async def redis_scripts(storage: dict[str, Any], records: int, concurrency: int) -> None:
-    """The fast path alone: the claim script (lock acquired, or replay from the cache) and the settle script."""
+    """The fast path alone: the claim script (lock acquired, or replay from the cache) and the settle script,
+    called through the store's own steps (so their arguments are what the proxy sends)."""
     config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": storage})
     store = build_store(config.storage)
     assert isinstance(store, RedisFrontedStore)
     run = uuid.uuid4().hex[:8]
-    payload = b'{"f":"' + FP.encode() + b'"}\n' + BODY
+    now = time.time()
+    payload = _encode(Record(tenant=TENANT, key="k", fingerprint=FP, state=State.COMPLETED, lease_token=None,
+                             lease_expires_at=None, response=RESPONSE, created_at=now, completed_at=now,
+                             expires_at=now + 3600))
+    epochs: dict[int, str] = {}
+
+    async def claim(i: int, expect: str) -> None:
+        fast = await store._fast_claim(TENANT, f"{run}-{i}", FP, f"tok-{i}", 60)
+        assert fast is not None and fast.kind == expect, f"redis answered {fast} where {expect} was due"
+        epochs[i] = fast.epoch
 
     async def lock(i: int) -> None:
-        await store._claim_script(keys=store._keys(TENANT, f"{run}-{i}"), args=[f"tok {FP}", 60000])
+        await claim(i, "acquired")
 
     async def settle(i: int) -> None:
-        await store._settle_script(keys=store._keys(TENANT, f"{run}-{i}"),
-                                   args=["tok", payload, 3600000, store.channel, "m", "", "1", "", 0])
+        await store._settle(TENANT, f"{run}-{i}", f"tok-{i}", payload=payload, ttl=3600, epoch=epochs[i])
+
+    async def cached(i: int) -> None:
+        await claim(i, "completed")
 
     before = (await store.redis.info("memory"))["used_memory"]
     def cpu(info: dict[str, Any]) -> float:
@@ -201,9 +214,10 @@ async def redis_scripts(storage: dict[str, Any], records: int, concurrency: int)
     lock_rate = await rate(records, concurrency, lock)
     settle_rate = await rate(records, concurrency, settle)
     cpu1 = cpu(await store.redis.info("cpu"))
-    replay_rate = await rate(records, concurrency, lock)  # the cache now answers: the replay path
+    replay_rate = await rate(records, concurrency, cached)  # the cache now answers: the replay path
     cpu2 = cpu(await store.redis.info("cpu"))
     grown = (await store.redis.info("memory"))["used_memory"] - before
+    assert not store._degraded, "a Redis step failed (and was skipped): the rates would be wrong"
     print(f"{'redis scripts':28s} lock {lock_rate:7.0f}/s  settle {settle_rate:7.0f}/s  replay {replay_rate:7.0f}/s  "
           f"memory {grown / records:6.0f} B per cached record  CPU/first {(cpu1 - cpu0) / records * 1e6:3.0f} us  "
           f"CPU/replay {(cpu2 - cpu1) / records * 1e6:3.0f} us")
@@ -222,12 +236,15 @@ async def proxy_cpu(storage: dict[str, Any], requests: int, concurrency: int) ->
     import tempfile
 
     import aiohttp
+    from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from bench.run import upstream_app
+    from bench.upstream import handle
     from tests.proxyproc import ProxyProcess
 
-    upstream = TestServer(upstream_app(), host="127.0.0.1")
+    application = web.Application()  # the benchmark's upstream (bench/upstream.py), in this process
+    application.router.add_route("*", "/{tail:.*}", handle)
+    upstream = TestServer(application, host="127.0.0.1")
     await upstream.start_server()
     workdir = Path(tempfile.mkdtemp(prefix="idemproxy-capacity-"))
     proxy = ProxyProcess({"upstream": {"url": str(upstream.make_url("")).rstrip("/")},
