@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
@@ -237,7 +238,18 @@ async def test_the_default_partition_is_swept_by_rows(store: PostgresStore, db: 
         await conn.close()
 
 
-async def test_migrate_converts_a_live_single_table_without_losing_or_duplicating_a_record(db: str) -> None:
+async def test_a_first_start_on_an_empty_database_warns_of_nothing(db: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="idemproxy.store")
+    applied, shape = await apply_migrations(store_on(db).config)
+    assert applied and shape == "daily"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == []  # a new schema is laid out, not "converted"
+    assert any("laid out in daily partitions" in r.getMessage() for r in caplog.records)
+
+
+async def test_migrate_converts_a_live_single_table_without_losing_or_duplicating_a_record(
+    db: str, caplog: pytest.LogCaptureFixture,
+) -> None:
     old = store_on(db, partitions="none")
     await old.open()
     assert old.layout == "none"
@@ -258,8 +270,11 @@ async def test_migrate_converts_a_live_single_table_without_losing_or_duplicatin
     assert starting.layout == "none"
     await starting.close()
 
+    caplog.set_level(logging.INFO, logger="idemproxy.store")
     applied, shape = await apply_migrations(store_on(db).config)
     assert (applied, shape) == ([], "daily")
+    assert "converted idemproxy_records to daily partitions (52 records)" in [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     # A replica still running on the single table follows the conversion at its next claim.
     assert (await old.claim("t", "during", FP, lease=30, ttl=3600)).owned and old.layout == "daily"
     assert not (await old.claim("t", "during", FP, lease=30, ttl=3600)).owned

@@ -492,9 +492,12 @@ async def _convert_to_daily(conn: Any) -> None:
         await conn.execute(PARTITIONED_SCHEMA)
         today = await _db_today(conn)
         await maintain_partitions(conn, today)  # records that expired before today go to default, swept by rows
-        copied = await conn.execute(f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT {_COLUMNS} FROM {old}")
+        copied = int((await conn.execute(f"INSERT INTO {TABLE} ({_COLUMNS}) SELECT {_COLUMNS} FROM {old}")).split()[-1])
         await conn.execute(f"DROP TABLE {old}")
-    log.warning("converted %s to daily partitions (%s records)", TABLE, copied.split()[-1])
+    if copied:  # an operator's conversion of a table in use: worth a warning
+        log.warning("converted %s to daily partitions (%d records)", TABLE, copied)
+    else:  # a new schema (or an empty table): nothing to warn about on a first start
+        log.info("%s laid out in daily partitions", TABLE)
 
 
 async def migrate(conn: Any, partitions: str = "daily", *, convert: bool = True) -> list[int]:
