@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check idemproxy tests bench
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy --strict idemproxy
+	$(VENV)/bin/mypy --strict --explicit-package-bases idemproxy tests bench
 
 # Dockerfile, compose file and Kubernetes manifests, offline (alert rules and dashboard: tests/test_deploy.py).
 validate: $(STAMP)

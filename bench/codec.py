@@ -33,7 +33,8 @@ HEADERS = (
 
 
 def body_of(size: int) -> bytes:
-    rows, i = [], 0
+    rows: list[dict[str, object]] = []
+    i = 0
     while len(json.dumps(rows)) < size:
         rows.append({"id": f"txn_{i:06d}", "amount": i * 7 % 10_000, "currency": "EUR", "status": "succeeded",
                      "card": {"brand": "visa", "last4": f"{i % 10_000:04d}", "fingerprint": f"fp_{i * 31:08x}"}})

@@ -24,11 +24,9 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from run import BODY, ROOT, process, proxy_config, stores
-
-sys.path.insert(0, str(ROOT))
+from bench.run import BODY, process, proxy_config, stores
 from tests.proxyproc import ProxyProcess
 from tests.servers import free_port
 

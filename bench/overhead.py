@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import re
 import statistics
@@ -67,6 +68,11 @@ def start_proxy(
     log = (workdir / "proxy.log").open("ab")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
+
+
+def tail(log: Path) -> str:
+    """The end of a proxy's log, shown when it fails to start."""
+    return log.read_text(errors="replace")[-3000:]
 
 
 def wrk(url: str, mode: str, seconds: float, script: Path, connections: int) -> int:
@@ -166,7 +172,7 @@ async def main() -> None:
                 proxies.append((root, proc, url, admin, workdir / str(i)))
             for _, proc, url, admin, home in proxies:
                 await wait_ready(admin, proc, timeout=300 if args.callgrind else 30,
-                                 log=lambda home=home: (home / "proxy.log").read_text(errors="replace")[-3000:])
+                                 log=functools.partial(tail, home / "proxy.log"))
                 await warm(url)
             if args.profile:
                 _, proc, url, _, home = proxies[0]

@@ -283,15 +283,16 @@ def profile(target: Target, seconds: float, script: Path, workdir: Path) -> None
     parts: dict[str, int] = {}
     total = 0
     for line in out.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
+        stack, _, field = line.rpartition(" ")
         if any(marker in stack.rsplit(";", 1)[-1] for marker in IDLE):
             continue  # a thread waiting for work, which py-spy did not see as idle
-        parts[component(stack.split(";"))] = parts.get(component(stack.split(";")), 0) + int(count)
+        samples = int(field)
+        parts[component(stack.split(";"))] = parts.get(component(stack.split(";")), 0) + samples
         frames = [f.split(" (")[0] + " " + f.split("/")[-1].rstrip(")") for f in stack.split(";")]
-        total += int(count)
-        own[frames[-1]] = own.get(frames[-1], 0) + int(count)
+        total += samples
+        own[frames[-1]] = own.get(frames[-1], 0) + samples
         for frame in set(frames):
-            inclusive[frame] = inclusive.get(frame, 0) + int(count)
+            inclusive[frame] = inclusive.get(frame, 0) + samples
     cpu_us = target.rounds[-1]["cpu_us"] if target.rounds else 0.0
     print(f"\nby component ({target.name}, {total} samples; CPU per request {cpu_us:.0f} µs):")
     for name, count in sorted(parts.items(), key=lambda kv: -kv[1]):

@@ -9,6 +9,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -45,7 +46,8 @@ async def pg_store(clean_pg: str) -> AsyncIterator[PostgresStore]:
 
 def redis_errors(proxy: RunningProxy) -> float:
     metric = proxy.proxy.metrics.store_errors
-    return sum(metric.labels("redis", op)._value.get() for op in ("claim", "settle"))
+    total: float = sum(metric.labels("redis", op)._value.get() for op in ("claim", "settle"))
+    return total
 
 
 async def test_the_batcher_groups_calls_of_one_loop_turn_and_fails_a_whole_batch_together() -> None:
@@ -258,7 +260,12 @@ async def test_batched_completions_are_not_announced_unless_someone_waits(clean_
     heard: list[str] = []
     arrived = asyncio.Event()
     listener = await asyncpg.connect(clean_pg)
-    await listener.add_listener(NOTIFY_CHANNEL, lambda *args: (heard.append(args[3]), arrived.set()))
+
+    def hear(*args: Any) -> None:
+        heard.append(args[3])
+        arrived.set()
+
+    await listener.add_listener(NOTIFY_CHANNEL, hear)
     try:
         done, released = await asyncio.gather(*(store.claim("t", k, FP, lease=30, ttl=60) for k in ("d", "r")))
         assert await store.complete(done, OK, ttl=60) and await store.release(released)

@@ -75,7 +75,8 @@ def test_with_both_off_columns_are_written_as_before_and_old_columns_always_read
 
 
 def unreadable_count(metrics: Metrics, backend: str) -> float:
-    return metrics.records_unreadable.labels(backend)._value.get()
+    value: float = metrics.records_unreadable.labels(backend)._value.get()
+    return value
 
 
 @pytest.mark.parametrize("damage", ["tamper", "other_key", "other_tenant", "unknown_key", "flags"])
@@ -186,7 +187,7 @@ async def raw_bytes(backend: str, section: dict[str, Any], store: Store, tenant:
             cached = client.get(store._keys(tenant, key)[1])
         finally:
             client.close()
-        assert cached, "the replay cache holds the record"
+        assert isinstance(cached, bytes) and cached, "the replay cache holds the record"
         held += cached
     return held
 

@@ -160,12 +160,10 @@ def write(tree: Tree, rng: random.Random) -> str:
     """One of the many JSON texts of ``tree``."""
     kind, value = tree
     ws = "".join(rng.choice(" \t\n\r") for _ in range(rng.choice([0, 0, 0, 1, 2])))
-    if kind == "num":
-        return ws + value
+    if kind in ("num", "lit"):
+        return ws + str(value)
     if kind == "str":
         return ws + write_string(value, rng)
-    if kind == "lit":
-        return ws + value
     if kind == "arr":
         return ws + "[" + ",".join(write(child, rng) for child in value) + ws + "]"
     members = list(value)
