@@ -491,7 +491,7 @@ class Engine:
             raise
         except (UpstreamTimeout, UpstreamReset) as problem:
             with self.tracer.span("idemproxy.settle"):
-                await self._unknown_outcome(claim, idem, problem_response(problem))
+                await self._unknown_outcome(claim, idem, problem_response(problem, request.get(REQUEST_ID, "")))
             raise
         finally:
             ex.upstream_seconds += time.perf_counter() - started
@@ -598,8 +598,12 @@ class Engine:
         log.warning("store unavailable: forwarding %s %s unguarded (fail_open)",
                     request.method, loggable_path(request))
 
+        headers = ex.upstream.request_headers(request, drop=(idem.header,))
+        if ex.upstream.config.forward_key:  # as a guarded forward sends it: the key as understood, or not at all
+            headers[idem.header] = ex.key
+
         async def call() -> web.StreamResponse:
-            upstream = await ex.upstream.send(request, ex.upstream.request_headers(request), body)
+            upstream = await ex.upstream.send(request, headers, body)
             try:
                 return await stream_response(
                     request, upstream,
@@ -634,15 +638,15 @@ def replay_headers(
     return headers
 
 
-def problem_response(problem: Problem) -> StoredResponse:
-    """A proxy problem as a storable answer (``on_unknown_outcome: store``)."""
+def problem_response(problem: Problem, request_id: str = "") -> StoredResponse:
+    """A proxy problem as a storable answer (``on_unknown_outcome: store``); its replays carry the executing
+    request's id as Original-Request-Id, as replays of the upstream's answers do."""
     response = problem.response()
     assert isinstance(response.body, bytes)
-    return StoredResponse(
-        status=problem.status,
-        headers=(("Content-Type", "application/problem+json"),),
-        body=response.body,
-    )
+    headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/problem+json"),)
+    if request_id:
+        headers += (("Original-Request-Id", request_id),)
+    return StoredResponse(status=problem.status, headers=headers, body=response.body)
 
 
 def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:

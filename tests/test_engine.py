@@ -343,6 +343,20 @@ async def test_timeout_follows_on_unknown_outcome(
     assert upstream.count(key=f"t-{policy}") == executions
 
 
+async def test_a_stored_timeout_replays_with_the_executing_request_id(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy(upstream={"timeout": "300ms"}, idempotency={"on_unknown_outcome": "store"})
+    resp, _ = await proxy.post("/v1/charges", key="t-id", body=CHARGE,
+                               headers={"X-Test-Delay": "2", "X-Request-Id": "executed-1"})
+    assert resp.status == 504 and "Original-Request-Id" not in resp.headers  # only replays carry it
+    again, body = await proxy.post("/v1/charges", key="t-id", body=CHARGE, headers={"X-Request-Id": "retry-1"})
+    assert again.status == 504 and problem(body)["code"] == "upstream_timeout"
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert again.headers["Original-Request-Id"] == "executed-1" and again.headers["X-Request-Id"] == "retry-1"
+    assert upstream.count(key="t-id") == 1
+
+
 async def test_connection_reset_keeps_the_lease(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
     proxy = await make_proxy()
     resp, body = await proxy.post("/v1/charges", key="reset", body=CHARGE, headers={"X-Test-Drop": "1"})

@@ -173,6 +173,20 @@ async def test_postgres_down_fail_open_forwards_unguarded(
     assert 'outcome="store_error"' in text
 
 
+@pytest.mark.parametrize("forward_key", [True, False])
+async def test_an_unguarded_forward_sends_the_key_as_a_guarded_one_would(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, own_pg: PostgresServer, own_pg_dsn: str,
+    forward_key: bool,
+) -> None:
+    proxy = await make_proxy(storage_section=pg_section(own_pg_dsn, on_store_error="fail_open"),
+                             upstream={"forward_key": forward_key})
+    own_pg.stop()
+    resp, _ = await proxy.post("/v1/charges", key='"quoted"', body=CHARGE)
+    assert resp.status == 201 and resp.headers["Idempotency-Status"] == "unguarded"
+    [executed] = upstream.executed
+    assert executed.headers.getall("Idempotency-Key", []) == (["quoted"] if forward_key else [])
+
+
 async def test_round_trips_per_path(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str
 ) -> None:
