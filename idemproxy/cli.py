@@ -227,9 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except ConfigError as exc:
-        print("idemproxy: invalid configuration:", file=sys.stderr)
-        for error in exc.errors:
-            print(f"  {error}", file=sys.stderr)
+        for error in exc.errors:  # one line each, whole in itself
+            print(f"idemproxy: invalid configuration: {error}", file=sys.stderr)
         return 1
     except StoreUnavailable as exc:
         print(f"idemproxy: {exc.detail}", file=sys.stderr)

@@ -13,11 +13,12 @@ import dataclasses
 import ipaddress
 import os
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 import yaml
 
@@ -71,15 +72,27 @@ class Secret:
     __str__ = __repr__
 
 
+# Query parameters that carry a secret in a DSN or URL (libpq's and asyncpg's password and sslpassword, redis-py's
+# password; anything else named like a secret, to be safe).
+_SECRET_PARAMETER = re.compile(r"password|passwd|secret|token", re.IGNORECASE)
+
+
 class SecretURL(Secret):
-    """A URL or DSN whose password is masked when shown."""
+    """A URL or DSN whose password is masked when shown: in its user part and in its query
+    (``?password=...``)."""
 
     def masked(self) -> str:
-        parts = urlsplit(self._value)
-        if parts.password is None:
-            return self._value
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-        return urlunsplit(parts._replace(netloc=netloc))
+        parts = original = urlsplit(self._value)
+        if parts.password is not None:
+            parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+        if parts.query:
+            shown = []
+            for item in parts.query.split("&"):
+                name, equals, _ = item.partition("=")
+                secret = equals and _SECRET_PARAMETER.search(unquote_plus(name))
+                shown.append(f"{name}=***" if secret else item)
+            parts = parts._replace(query="&".join(shown))
+        return self._value if parts == original else urlunsplit(parts)
 
 
 # --------------------------------------------------------------------------- schema
@@ -344,11 +357,11 @@ def _bool(value: Any) -> bool:
 
 def _int(low: int, high: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
-        if isinstance(value, bool):
-            raise _Invalid(f"{value!r} is not an integer")
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise _Invalid(f"{value!r} is not an integer")  # 8080.9 refused, never cut to 8080
         try:
             number = int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise _Invalid(f"{value!r} is not an integer") from None
         if not low <= number <= high:
             raise _Invalid(f"{value!r} is out of range ({low}..{high})")
@@ -850,11 +863,48 @@ def load_config_file(
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError([f"{path}: cannot read the file ({exc.strerror})"]) from exc
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"{path}: not valid YAML ({exc})"]) from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start})"]) from exc
+        raw = _parse_yaml(path, text)
     return load_config(raw, env=env, overrides=overrides)
+
+
+def _parse_yaml(path: str | os.PathLike[str], text: str) -> Any:
+    """The YAML document, with every ``${NAME}`` / ``${NAME:-default}`` left as written for ``load_config`` to
+    expand: each is shielded from the YAML parser first, so one may stand anywhere a plain word may, in a flow
+    mapping too (``{token: ${TOKEN:-}}``, where YAML alone would read its braces as the mapping's). A value from
+    the environment never passes through the parser, so it cannot change the document's structure."""
+    nonce = secrets.token_hex(6)
+    written: list[str] = []
+
+    def shield(match: re.Match[str]) -> str:
+        if "\n" in match.group(0):  # a default over several lines: left to YAML, as before
+            return match.group(0)
+        written.append(match.group(0))
+        return f"idemproxyref{nonce}n{len(written) - 1}x"
+
+    try:
+        raw = yaml.safe_load(_ENV.sub(shield, text) if "${" in text else text)
+    except yaml.YAMLError as exc:
+        # Where and what, in one line; never the excerpt PyYAML quotes, which may hold a secret.
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "cannot be parsed"
+        raise ConfigError([f"{path}: not valid YAML{where}: {problem}"]) from None
+    if not written:
+        return raw
+    placeholder = re.compile(f"idemproxyref{nonce}n([0-9]+)x")
+
+    def unshield(value: Any) -> Any:
+        if isinstance(value, str):
+            return placeholder.sub(lambda m: written[int(m.group(1))], value)
+        if isinstance(value, dict):
+            return {unshield(k): unshield(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [unshield(v) for v in value]
+        return value
+
+    return unshield(raw)
 
 
 # --------------------------------------------------------------------------- output

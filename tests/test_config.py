@@ -132,6 +132,11 @@ def test_sizes(text: Any, size: int) -> None:
          "storage.postgres.partitions: 'hourly' is not one of daily, none"),
         ({"upstream": UP, "storage": {"postgres": {}, "redis": {"cluster": "maybe"}}},
          "storage.redis.cluster: 'maybe' is not a boolean"),
+        ({"upstream": UP, "listen": {"port": 8080.9}}, "listen.port: 8080.9 is not an integer"),  # never cut
+        ({"upstream": {**UP, "max_connections": 1.5}}, "upstream.max_connections: 1.5 is not an integer"),
+        ({"upstream": UP, "idempotency": {"release_statuses": [429.9]}},
+         "idempotency.release_statuses: 429.9 is not an integer"),
+        ({"upstream": UP, "listen": {"port": float("inf")}}, "listen.port: inf is not an integer"),
     ],
 )
 def test_bad_configs_name_the_key_and_value(raw: dict[str, Any], expected: str) -> None:
@@ -228,6 +233,52 @@ def test_secrets_are_masked_in_repr_and_check_config(tmp_path: Path) -> None:
     assert yaml.safe_load(result.stdout)["upstream"]["url"] == UP["url"]
 
 
+def test_passwords_given_as_query_parameters_are_masked_too(tmp_path: Path) -> None:
+    raw = {
+        "upstream": UP,
+        "storage": {"postgres": {"dsn": "postgresql://app@db/idem?password=pw-SECRET&sslmode=disable"
+                                        "&sslpassword=ssl-SECRET"},
+                    "redis": {"url": "redis://default:rpw-SECRET@cache:6379/0?password=q-SECRET"}},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "SECRET" not in result.stdout + result.stderr
+    shown = yaml.safe_load(result.stdout)["storage"]
+    assert shown["postgres"]["dsn"] == "postgresql://app@db/idem?password=***&sslmode=disable&sslpassword=***"
+    assert shown["redis"]["url"] == "redis://default:***@cache:6379/0?password=***"
+    assert "SECRET" not in repr(load_config(raw, env={}))
+
+
+def test_a_file_that_is_not_yaml_is_one_line_that_quotes_none_of_it(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text('upstream: {url: "http://x:1"\nadmin: {token: "tok-SECRET"}\n')
+    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"idemproxy: invalid configuration: {path}: not valid YAML at line 2: expected ',' or '}}', but got '<scalar>'"]
+
+
+def test_a_reference_stands_where_a_plain_word_may_in_a_flow_mapping_too(tmp_path: Path) -> None:
+    # As the contract writes it: `admin: {..., token: ${IDEMPROXY_ADMIN_TOKEN:-}}`.
+    path = tmp_path / "c.yaml"
+    path.write_text("upstream: {url: http://127.0.0.1:9000, timeout: ${T:-10s}}\n"
+                    "admin: {host: 127.0.0.1, port: 9090, token: ${IDEMPROXY_ADMIN_TOKEN:-}}  # comment ${NOPE}\n"
+                    "tenant: {from: static, static: '${A}-x'}\n")
+    config = load_config_file(path, env={"A": "t"})
+    assert not config.admin.token and config.upstream.timeout == 10 and config.tenant.static == "t-x"
+    # A value from the environment is never parsed as YAML: it cannot add keys or change the structure.
+    config = load_config_file(path, env={"A": "t", "IDEMPROXY_ADMIN_TOKEN": "a}, port: 1, x: {", "T": "3s"})
+    assert config.admin.token.reveal() == "a}, port: 1, x: {" and config.admin.port == 9090
+    assert config.upstream.timeout == 3
+    path.write_text("upstream: {url: http://h:1, timeout: ${T}}\n")
+    with pytest.raises(ConfigError, match=r"upstream\.timeout: environment variable T is not set"):
+        load_config_file(path, env={})
+
+
 def test_check_config_prints_every_error_and_exits_1(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("upstream: {url: http://x:1, timeout: soon}\nlisten: {port: -1}\n")
@@ -245,6 +296,10 @@ def test_unreadable_and_invalid_yaml_files(tmp_path: Path) -> None:
     broken.write_text("upstream: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config_file(broken)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"upstream: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config_file(binary)
 
 
 def test_flags_override_the_file(tmp_path: Path) -> None:
