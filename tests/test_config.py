@@ -14,6 +14,11 @@ from idemproxy.config import ConfigError, dump_yaml, load_config, load_config_fi
 UP = {"url": "http://127.0.0.1:9000"}
 
 
+def check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
+                          capture_output=True, text=True, timeout=60)
+
+
 def errors_of(raw: Any, env: dict[str, str] | None = None) -> list[str]:
     with pytest.raises(ConfigError) as info:
         load_config(raw, env=env or {})
@@ -225,8 +230,7 @@ def test_secrets_are_masked_in_repr_and_check_config(tmp_path: Path) -> None:
     assert "SECRET" not in repr(config)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
-    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = check_config(path)
     assert result.returncode == 0, result.stderr
     assert "SECRET" not in result.stdout + result.stderr
     assert "postgresql://app:***@db:5432/idem" in result.stdout
@@ -242,8 +246,7 @@ def test_passwords_given_as_query_parameters_are_masked_too(tmp_path: Path) -> N
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
-    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = check_config(path)
     assert result.returncode == 0, result.stderr
     assert "SECRET" not in result.stdout + result.stderr
     shown = yaml.safe_load(result.stdout)["storage"]
@@ -255,8 +258,7 @@ def test_passwords_given_as_query_parameters_are_masked_too(tmp_path: Path) -> N
 def test_a_file_that_is_not_yaml_is_one_line_that_quotes_none_of_it(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text('upstream: {url: "http://x:1"\nadmin: {token: "tok-SECRET"}\n')
-    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = check_config(path)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.splitlines() == [
         f"idemproxy: invalid configuration: {path}: not valid YAML at line 2: expected ',' or '}}', but got '<scalar>'"]
@@ -282,8 +284,7 @@ def test_a_reference_stands_where_a_plain_word_may_in_a_flow_mapping_too(tmp_pat
 def test_check_config_prints_every_error_and_exits_1(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("upstream: {url: http://x:1, timeout: soon}\nlisten: {port: -1}\n")
-    result = subprocess.run([sys.executable, "-m", "idemproxy", "check-config", str(path)],
-                            capture_output=True, text=True, timeout=60)
+    result = check_config(path)
     assert result.returncode == 1
     assert "upstream.timeout: 'soon' is not a duration" in result.stderr
     assert "listen.port: -1 is out of range" in result.stderr
