@@ -211,15 +211,16 @@ class Engine:
         if self._access_level is None or not access_log.isEnabledFor(self._access_level):
             return
         path = loggable_path(request)
-        access_log.log(
-            self._access_level, "%s %s %s %s %.1fms", request.method, path, ex.status, ex.outcome,
-            total * 1000,
+        request_id = request.get(REQUEST_ID, "")
+        access_log.log(  # the text line names the request id too: find one request by the id its client got
+            self._access_level, "%s %s %s %s %.1fms %s", request.method, path, ex.status, ex.outcome,
+            total * 1000, request_id,
             extra={
                 "method": request.method, "path": path,
                 "outcome": ex.outcome, "status": ex.status, "route": route,
                 "tenant": self._loggable_tenant(ex.tenant), "key_hash": short_hash(ex.key),
                 "duration_ms": round(total * 1000, 3),
-                "upstream_ms": round(ex.upstream_seconds * 1000, 3), "request_id": request.get(REQUEST_ID, ""),
+                "upstream_ms": round(ex.upstream_seconds * 1000, 3), "request_id": request_id,
             },
         )
 

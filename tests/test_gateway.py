@@ -182,6 +182,7 @@ async def test_the_access_log_names_the_request_id(
         await proxy.post("/r", key="r4", body=CHARGE, headers={"X-Request-Id": "logged-1"})
     lines = [r for r in caplog.records if r.name == "idemproxy.access"]
     assert [getattr(r, "request_id", None) for r in lines] == ["logged-1"]
+    assert re.fullmatch(r"POST /r 20[01] forwarded [0-9.]+ms logged-1", lines[0].getMessage()), lines[0].getMessage()
 
 
 # ------------------------------------------------------------------ other status conventions
