@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from idemproxy.admin import AdminAPI
-from idemproxy.config import Config, to_plain
+from idemproxy.config import Config, advisories, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
 from idemproxy.problems import BadRequest, StoreUnavailable, problem_middleware, render_problems
@@ -269,6 +269,8 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
         await web.TCPSite(proxy_runner, config.listen.host, config.listen.port,
                           reuse_port=reuse_port or None).start()
         proxy.phase = Phase.READY
+        for note in advisories(config):
+            log.warning("%s", note)
         log.info(
             "idemproxy serving on %s:%d -> %s (store: %s); admin on %s:%d; effective config: %s",
             config.listen.host, config.listen.port, ", ".join(u.base for u in proxy.upstreams),

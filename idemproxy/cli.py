@@ -19,7 +19,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from idemproxy import __version__
-from idemproxy.config import STORE_KEY_BYTES, Config, ConfigError, dump_yaml, load_config_file
+from idemproxy.config import STORE_KEY_BYTES, Config, ConfigError, advisories, dump_yaml, load_config_file
 from idemproxy.logs import setup_logging
 from idemproxy.problems import StoreUnavailable
 from idemproxy.tracing import TracingUnavailable, require
@@ -115,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args.file)
     sys.stdout.write(dump_yaml(config))
+    for note in advisories(config):
+        print(f"idemproxy: warning: {note}", file=sys.stderr)
     return 0
 
 

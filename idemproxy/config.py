@@ -25,10 +25,18 @@ import yaml
 T = TypeVar("T")
 
 # The lease starts when the key is claimed, but the answer is stored only after the whole forward: the lease
-# must outlast upstream.timeout by the claim and completion round trips plus the scheduling delay of a loaded
+# should outlast upstream.timeout by the claim and completion round trips plus the scheduling delay of a loaded
 # replica. 2 s is ample for a store that answers at all (a completion normally takes milliseconds); a store
-# slower than that is a store fault, handled by the fenced settle retries, never by a second forward.
+# slower than that is a store fault, handled by the fenced settle retries, never by a second forward. The contract
+# asks only that the timeout be shorter than the lease: a smaller margin is accepted with a warning at start, and
+# the forward is then cut at the lease minus what margin there is (lease_margin).
 LEASE_MARGIN = 2.0
+
+
+def lease_margin(lease: float, timeout: float) -> float:
+    """How long before its lease ends a forward under this lease and upstream timeout is cut short: LEASE_MARGIN,
+    or all the room the lease leaves over the timeout when that is less."""
+    return min(LEASE_MARGIN, lease - timeout)
 # Keys and unhashed tenants are bounded so every backend can index (tenant, key): PostgreSQL's btree refuses
 # index rows over ~2700 bytes, so 1024 bytes each leaves room for the row header.
 KEY_MAX_LENGTH_LIMIT = 1024
@@ -749,26 +757,44 @@ def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[
         return default
 
 
-def _cross_checks(loader: _Loader, config: Config) -> None:
-    if not config.upstream.url:
-        loader.error("upstream.url", "is required (the API to put idempotency in front of)")
-    # Every upstream's timeout against the lease of every route that uses it (paths matching no route use
-    # the top-level upstream with the idempotency defaults).
+def _policies(config: Config) -> list[tuple[str, IdempotencyConfig, str, UpstreamConfig]]:
+    """(path, idempotency, its upstream's path, upstream) for the defaults and every route."""
     policies = [("idempotency", config.idempotency, "upstream", config.upstream)]
     policies += [
         (f"routes[{i}]", r.idempotency, f"routes[{i}].upstream" if r.upstream else "upstream", config.upstream_for(r))
         for i, r in enumerate(config.routes)
     ]
-    for path, idem, upstream_path, upstream in policies:
+    return policies
+
+
+def advisories(config: Config) -> list[str]:
+    """What a valid config does that an operator should know of (logged at start, printed by check-config)."""
+    notes = []
+    for path, idem, upstream_path, upstream in _policies(config):
         if idem.lease < upstream.timeout + LEASE_MARGIN:
+            notes.append(
+                f"{path}.lease: {_fmt_seconds(idem.lease)} leaves {_fmt_seconds(idem.lease - upstream.timeout)} "
+                f"over {upstream_path}.timeout ({_fmt_seconds(upstream.timeout)}), under the "
+                f"{_fmt_seconds(LEASE_MARGIN)} advised: a completion slower than that may lose the lease to a "
+                "retry, which would forward again"
+            )
+    return notes
+
+
+def _cross_checks(loader: _Loader, config: Config) -> None:
+    if not config.upstream.url:
+        loader.error("upstream.url", "is required (the API to put idempotency in front of)")
+    # Every upstream's timeout against the lease of every route that uses it (paths matching no route use
+    # the top-level upstream with the idempotency defaults).
+    # (A ttl shorter than the lease is fine: an in-flight record stands for its whole lease in every store, and a
+    # completed one for the ttl.)
+    for path, idem, upstream_path, upstream in _policies(config):
+        if idem.lease <= upstream.timeout:
             loader.error(
                 f"{path}.lease",
                 f"{_fmt_seconds(idem.lease)} must be longer than {upstream_path}.timeout "
-                f"({_fmt_seconds(upstream.timeout)}) by at least {_fmt_seconds(LEASE_MARGIN)}, or a "
-                "slow request loses its lease before its answer is stored",
+                f"({_fmt_seconds(upstream.timeout)}), or a slow request loses its lease before its answer is stored",
             )
-        if idem.ttl < idem.lease:
-            loader.error(f"{path}.ttl", f"{_fmt_seconds(idem.ttl)} must not be shorter than the lease")
     storage = config.storage
     largest = max(idem.max_stored_response for idem in [config.idempotency, *(r.idempotency for r in config.routes)])
     if storage.pending_settles.max_bytes < largest + 64 * 1024:

@@ -31,7 +31,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from idemproxy.client import UpstreamResponse
-from idemproxy.config import LEASE_MARGIN, TENANT_MAX_BYTES, Config, IdempotencyConfig
+from idemproxy.config import TENANT_MAX_BYTES, Config, IdempotencyConfig, lease_margin
 from idemproxy.fingerprint import Fingerprinter
 from idemproxy.metrics import Metrics, adder
 from idemproxy.problems import (
@@ -470,7 +470,8 @@ class Engine:
             if ex.upstream.config.forward_key:
                 # The key as the proxy understood it, so the upstream can dedupe a takeover ('"k"' is 'k').
                 headers[idem.header] = claim.record.key
-            budget = min(ex.upstream.config.timeout, claim.lease_left() - LEASE_MARGIN)
+            timeout = ex.upstream.config.timeout
+            budget = min(timeout, claim.lease_left() - lease_margin(idem.lease, timeout))
             if budget <= 0:  # the claim itself took most of the lease: never forward into a takeover
                 raise StoreUnavailable("The idempotency store answered too slowly; nothing was sent.")
             ex.upstream.target(request)

@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 import yaml
 
-from idemproxy.config import ConfigError, dump_yaml, load_config, load_config_file, parse_duration, parse_size
+from idemproxy.config import (
+    ConfigError,
+    advisories,
+    dump_yaml,
+    load_config,
+    load_config_file,
+    parse_duration,
+    parse_size,
+)
 
 UP = {"url": "http://127.0.0.1:9000"}
 
@@ -93,8 +101,8 @@ def test_sizes(text: Any, size: int) -> None:
          "routes[0].prefix: 'v1/charges' must be a path starting with '/'"),
         ({"upstream": UP, "routes": [{"prefix": "/a", "lease": "10s"}]},
          "routes[0].lease: 10s must be longer than upstream.timeout"),
-        ({"upstream": {**UP, "timeout": "59s"}},  # no margin: the answer would be stored after the lease
-         "idempotency.lease: 60s must be longer than upstream.timeout (59s) by at least 2s"),
+        ({"upstream": {**UP, "timeout": "60s"}},  # no margin: the answer would be stored after the lease
+         "idempotency.lease: 60s must be longer than upstream.timeout (60s), or a slow request"),
         ({"upstream": UP, "idempotency": {"key_max_length": 3000}},  # PostgreSQL could not index it
          "idempotency.key_max_length: 3000 is out of range (1..1024)"),
         ({"upstream": UP, "idempotency": {"settle_timeout": "soon"}},
@@ -196,9 +204,25 @@ def test_top_level_upstream_timeout_is_checked_only_against_routes_using_it() ->
                       {"prefix": "/b", "lease": "10s", "upstream": {**UP, "timeout": "5s"}}]}
     errors = errors_of(raw)
     assert [e for e in errors if "lease" in e] == [
-        "routes[0].lease: 10s must be longer than upstream.timeout (50s) by at least 2s, or a slow request "
+        "routes[0].lease: 10s must be longer than upstream.timeout (50s), or a slow request "
         "loses its lease before its answer is stored"
     ]
+
+
+def test_the_contract_bounds_the_lease_by_the_timeout_alone_and_a_small_margin_is_a_warning(tmp_path: Path) -> None:
+    raw = {"upstream": {**UP, "timeout": "1s"}, "idempotency": {"lease": "2s", "ttl": "1s"},
+           "routes": [{"prefix": "/a", "lease": "10s"}]}
+    config = load_config(raw, env={})  # timeout < lease, ttl < lease: valid
+    assert config.idempotency.lease == 2 and config.idempotency.ttl == 1
+    assert advisories(config) == [
+        "idempotency.lease: 2s leaves 1s over upstream.timeout (1s), under the 2s advised: a completion slower "
+        "than that may lose the lease to a retry, which would forward again"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = check_config(path)
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [f"idemproxy: warning: {advisories(config)[0]}"]
+    assert advisories(load_config({"upstream": UP}, env={})) == []  # the defaults: 30 s timeout, 60 s lease
 
 
 def test_every_error_is_reported_at_once() -> None:

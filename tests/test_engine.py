@@ -462,6 +462,43 @@ async def test_ttl_expiry_makes_the_key_usable_again(
     assert upstream.count(key="ttl") == 2
 
 
+@pytest.mark.parametrize("backend", ["embedded", "postgres", "redis"])
+async def test_a_ttl_shorter_than_the_lease_and_a_lease_just_over_the_timeout(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    # The contract asks only timeout < lease; a ttl under the lease is valid too (no bound on it).
+    proxy = await make_proxy(backend, upstream={"timeout": "1s"}, idempotency={"lease": "1500ms", "ttl": "1s"})
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    # A slow answer inside the timeout is forwarded whole: the forward is cut at the lease minus the 0.5 s the
+    # lease leaves, not minus the 2 s advised (which would leave nothing to forward with).
+    resp, _ = await proxy.post("/v1/charges", key="short", body=CHARGE, headers={"X-Test-Delay": "0.6"})
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    again, _ = await proxy.post("/v1/charges", key="short", body=CHARGE)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    record = await proxy.proxy.store.get(tenant, "short")
+    assert record is not None
+    await asyncio.sleep(max(record.expires_at - time.time(), 0) + 0.05)
+    resp, _ = await proxy.post("/v1/charges", key="short", body=CHARGE)
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="short") == 2
+
+    # An in-flight record stands for its whole lease, though its ttl is shorter: a retry past the ttl but inside
+    # the lease is a 409, never a second forward.
+    claimed = time.time()
+    hung, body = await proxy.post("/v1/charges", key="held", body=CHARGE, headers={"X-Test-Delay": "5"})
+    assert hung.status == 504 and problem(body)["code"] == "upstream_timeout"  # keep_lease
+    record = await proxy.proxy.store.get(tenant, "held")
+    assert record is not None and record.lease_expires_at is not None
+    assert record.lease_expires_at - claimed >= 1.4
+    if record.lease_expires_at - time.time() > 0.1:
+        retry, body = await proxy.post("/v1/charges", key="held", body=CHARGE)
+        assert retry.status == 409 and problem(body)["code"] == "in_flight"
+    await asyncio.sleep(max(record.lease_expires_at - time.time(), 0) + 0.05)
+    taken, _ = await proxy.post("/v1/charges", key="held", body=CHARGE)
+    assert taken.status == 201
+    assert upstream.count(key="held") == 2
+
+
 # -------------------------------------------------------------------------------------- metrics
 
 
