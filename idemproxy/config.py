@@ -37,6 +37,8 @@ def lease_margin(lease: float, timeout: float) -> float:
     """How long before its lease ends a forward under this lease and upstream timeout is cut short: LEASE_MARGIN,
     or all the room the lease leaves over the timeout when that is less."""
     return min(LEASE_MARGIN, lease - timeout)
+
+
 # Keys and unhashed tenants are bounded so every backend can index (tenant, key): PostgreSQL's btree refuses
 # index rows over ~2700 bytes, so 1024 bytes each leaves room for the row header.
 KEY_MAX_LENGTH_LIMIT = 1024
@@ -771,7 +773,7 @@ def advisories(config: Config) -> list[str]:
     """What a valid config does that an operator should know of (logged at start, printed by check-config)."""
     notes = []
     for path, idem, upstream_path, upstream in _policies(config):
-        if idem.lease < upstream.timeout + LEASE_MARGIN:
+        if lease_margin(idem.lease, upstream.timeout) < LEASE_MARGIN:  # the forward's own rule, one definition
             notes.append(
                 f"{path}.lease: {_fmt_seconds(idem.lease)} leaves {_fmt_seconds(idem.lease - upstream.timeout)} "
                 f"over {upstream_path}.timeout ({_fmt_seconds(upstream.timeout)}), under the "
