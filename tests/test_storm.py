@@ -37,7 +37,9 @@ from tests.relay import Relay
 from tests.servers import PostgresServer, RedisServer
 
 STORM_SECONDS = float(os.environ.get("IDEMPROXY_STORM_SECONDS", "25"))
-LEASE = 3.5
+# IDEMPROXY_STORM_LEASE=1.5 attacks a lease just over upstream.timeout (1 s): the forward is then cut at the lease
+# minus the 0.5 s it leaves, not minus 2 s (config.lease_margin).
+LEASE = float(os.environ.get("IDEMPROXY_STORM_LEASE", "3.5"))
 # The proxies' idempotency section; extend it as the config grows (e.g. settle_timeout).
 # The TTL outlasts the whole run (the verify pass included): an expired key executing again is no violation.
 IDEMPOTENCY: dict[str, Any] = {"lease": f"{LEASE}s", "ttl": f"{2 * STORM_SECONDS + 600:g}s", "settle_timeout": "5s"}
