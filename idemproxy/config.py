@@ -326,7 +326,12 @@ _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # RFC 9110 token (method
 
 
 class _Invalid(Exception):
-    """One bad value; the loader adds the key path."""
+    """One bad value; the loader adds the key path. ``where`` is the part of the path below the key the parser
+    was given (a list item's ``[2]``)."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def parse_duration(value: Any) -> float:
@@ -422,7 +427,13 @@ def _list(item: Callable[[Any], T]) -> Callable[[Any], tuple[T, ...]]:
     def parse(value: Any) -> tuple[T, ...]:
         if not isinstance(value, list):
             raise _Invalid(f"{value!r} is not a list")
-        return tuple(item(v) for v in value)
+        items = []
+        for index, value_ in enumerate(value):
+            try:
+                items.append(item(value_))
+            except _Invalid as exc:
+                raise _Invalid(str(exc), f"[{index}]{exc.where}") from None
+        return tuple(items)
 
     return parse
 
@@ -597,6 +608,9 @@ class _Loader:
     def error(self, path: str, message: str) -> None:
         self.errors.append(f"{path}: {message}")
 
+    def invalid(self, path: str, exc: _Invalid) -> None:
+        self.error(path + exc.where, str(exc))
+
     def substitute(self, path: str, value: Any) -> Any:
         """Expand ``${NAME}`` / ``${NAME:-default}`` in every string scalar."""
         if isinstance(value, dict):
@@ -620,8 +634,10 @@ class _Loader:
         # "0012345" where YAML would make it the number 5349.
         return _ENV.sub(expand, value)
 
-    def section(self, cls: type[T], path: str, raw: Any, base: T | None = None) -> T:
-        """Build dataclass ``cls`` from mapping ``raw``; unknown keys and bad values are errors."""
+    def section(self, cls: type[T], path: str, raw: Any, base: T | None = None, also_known: tuple[str, ...] = ()
+                ) -> T:
+        """Build dataclass ``cls`` from mapping ``raw``; unknown keys and bad values are errors. ``also_known``:
+        keys the caller took out of ``raw`` itself, named among the known ones in an unknown key's error."""
         result = base if base is not None else cls()
         if raw is None:
             return result
@@ -634,12 +650,12 @@ class _Loader:
             key_path = f"{path}.{key}"
             parser = spec.get(str(key))
             if parser is None:
-                self.error(key_path, f"unknown key (known: {', '.join(spec)})")
+                self.error(key_path, f"unknown key (known: {', '.join((*also_known, *spec))})")
                 continue
             try:
                 changes["from_" if key == "from" else str(key)] = parser(value)
             except _Invalid as exc:
-                self.error(key_path, str(exc))
+                self.invalid(key_path, exc)
         return replace(cast(Any, result), **changes)  # type: ignore[no-any-return]
 
 
@@ -652,6 +668,9 @@ _TOP_LEVEL = (
     "listen", "admin", "upstream", "tenant", "idempotency", "routes", "storage", "log",
     "forwarded", "request_id", "tracing", "drain_delay", "shutdown_timeout", "workers",
 )
+
+
+_ROUTE_OWN_KEYS = ("prefix", "enabled", "upstream")  # a route's keys beside the idempotency fields it overrides
 
 
 def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[RouteConfig, ...]:
@@ -670,15 +689,18 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         prefix = overrides.pop("prefix", None)
         enabled_raw = overrides.pop("enabled", True)
         upstream_raw = overrides.pop("upstream", None)
-        if not isinstance(prefix, str) or not prefix.startswith("/"):
+        if prefix is None:
+            loader.error(f"{path}.prefix", "is required (a path starting with '/')")
+            prefix = "/"
+        elif not isinstance(prefix, str) or not prefix.startswith("/"):
             loader.error(f"{path}.prefix", f"{prefix!r} must be a path starting with '/'")
             prefix = "/"
         try:
             enabled = _bool(enabled_raw)
         except _Invalid as exc:
-            loader.error(f"{path}.enabled", str(exc))
+            loader.invalid(f"{path}.enabled", exc)
             enabled = True
-        idem = loader.section(IdempotencyConfig, path, overrides, base=defaults)
+        idem = loader.section(IdempotencyConfig, path, overrides, base=defaults, also_known=_ROUTE_OWN_KEYS)
         upstream = None
         if upstream_raw is not None:
             upstream = loader.section(UpstreamConfig, f"{path}.upstream", upstream_raw)
@@ -710,7 +732,7 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
         try:
             on_error = _choice("fail_closed", "fail_open")(raw["on_store_error"])
         except _Invalid as exc:
-            loader.error("storage.on_store_error", str(exc))
+            loader.invalid("storage.on_store_error", exc)
     return StorageConfig(
         embedded=loader.section(EmbeddedConfig, "storage.embedded", raw.get("embedded")),
         redis=redis,
@@ -744,7 +766,7 @@ def _encryption(loader: _Loader, raw: dict[str, Any]) -> EncryptionConfig | None
         try:
             previous.append(_store_key(item))
         except _Invalid as exc:
-            loader.error(f"storage.encryption.previous_keys[{index}]", str(exc))
+            loader.invalid(f"storage.encryption.previous_keys[{index}]", exc)
     return replace(config, previous_keys=tuple(previous))
 
 
@@ -755,7 +777,7 @@ def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[
     try:
         return parse(raw[key])
     except _Invalid as exc:
-        loader.error(path + key, str(exc))
+        loader.invalid(path + key, exc)
         return default
 
 
