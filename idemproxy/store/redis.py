@@ -541,18 +541,27 @@ class RedisFrontedStore(Store):
         call: _ScriptCall = (self._forget_script, self._keys(tenant, key),
                              [self.channel, self.watchers.message(tenant, key), new_token(), self._epoch_ms])
         try:
-            if self._pipelines is None:  # a cluster: the script alone, on its slot's node
-                await self._script(*call)
-            else:  # straight to Redis, past the queue and the breaker
-                [reply] = await self._pipeline([call], breaker=False)
-                if isinstance(reply, Exception):
-                    raise reply
+            try:
+                await self._purge_once(call)
+            except RedisConnectionError:
+                # A connection that died while idle (Redis restarted, a cut that has healed) fails its first
+                # command; redis-py's pipeline does not retry it. The script is idempotent: send it once more,
+                # on a fresh connection. A Redis that is really gone fails this one too.
+                await self._purge_once(call)
         except self._errors as exc:
             if self.metrics is not None:
                 self.metrics.store_children("redis", "forget").error()
             raise StoreUnavailable(
                 "Redis could not be cleared; retry the release when it answers again."
             ) from exc
+
+    async def _purge_once(self, call: _ScriptCall) -> None:
+        if self._pipelines is None:  # a cluster: the script alone, on its slot's node
+            await self._script(*call)
+        else:  # straight to Redis, past the queue and the breaker
+            [reply] = await self._pipeline([call], breaker=False)
+            if isinstance(reply, Exception):
+                raise reply
 
     async def clock(self) -> float:
         return await self.durable.clock()
