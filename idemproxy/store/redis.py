@@ -171,6 +171,14 @@ class _FastStep:
         return False
 
 
+def _only(replies: list[Any]) -> Any:
+    """The one reply of a one-command batch; an error reply raised."""
+    [reply] = replies
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
 def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
     """A completed record as ``<json header>\n<body bytes>`` (no base64 on the hot path); with compression or
     encryption on, the header leaves out the headers (``h``) and the body part is the codec's frame of both."""
@@ -367,9 +375,7 @@ class RedisFrontedStore(Store):
                 if self._lean is None:
                     await self.redis.script_load(script.script)
                     continue
-                [loaded] = await self._lean.execute([(b"SCRIPT", b"LOAD", script.script)])
-                if isinstance(loaded, Exception):
-                    raise loaded
+                _only(await self._lean.execute([(b"SCRIPT", b"LOAD", script.script)]))
             for n, reply in zip(lost, await self._evalsha([calls[n] for n in lost]), strict=True):
                 replies[n] = reply
         return replies
@@ -559,9 +565,7 @@ class RedisFrontedStore(Store):
         if self._pipelines is None:  # a cluster: the script alone, on its slot's node
             await self._script(*call)
         else:  # straight to Redis, past the queue and the breaker
-            [reply] = await self._pipeline([call], breaker=False)
-            if isinstance(reply, Exception):
-                raise reply
+            _only(await self._pipeline([call], breaker=False))
 
     async def clock(self) -> float:
         return await self.durable.clock()
@@ -582,9 +586,7 @@ class RedisFrontedStore(Store):
             if self._lean is None:
                 await asyncio.wait_for(self.redis.ping(), SOCKET_TIMEOUT * 2)
             else:
-                [pong] = await asyncio.wait_for(self._lean.execute([(b"PING",)]), SOCKET_TIMEOUT * 2)
-                if isinstance(pong, Exception):
-                    raise pong
+                _only(await asyncio.wait_for(self._lean.execute([(b"PING",)]), SOCKET_TIMEOUT * 2))
             health.details["redis"] = "ok"
         except self._errors:
             health.details["redis"] = "unavailable (degraded: served from PostgreSQL alone, slower)"
