@@ -438,8 +438,7 @@ class Engine:
         headers = [(idem.replay_header, "false")]
         try:
             if forwarded.complete:
-                out = client_response_headers(forwarded.upstream)
-                out.extend(headers)
+                out = client_response_headers(forwarded.upstream, headers)
                 return web.Response(
                     status=forwarded.upstream.status, reason=forwarded.upstream.reason,
                     headers=out, body=forwarded.head,

@@ -127,9 +127,17 @@ def request_target(request: web.BaseRequest) -> str:
     return url.raw_path_qs
 
 
-def client_response_headers(upstream: UpstreamResponse) -> CIMultiDict[str]:
+def client_response_headers(
+    upstream: UpstreamResponse, own: Iterable[tuple[str, str]] = ()
+) -> CIMultiDict[str]:
+    """The upstream's headers for the client, with the proxy's ``own`` in place of any the upstream sent by
+    the same names (an upstream with idempotency of its own may send ``Idempotent-Replayed`` itself)."""
     # Content-Length is set again by whoever writes the body.
-    return filter_headers(upstream.headers, drop=_CONTENT_LENGTH)
+    headers = filter_headers(upstream.headers, drop=_CONTENT_LENGTH)
+    for name, value in own:
+        headers.popall(name, None)
+        headers.add(name, value)
+    return headers
 
 
 def upstream_errors() -> _UpstreamErrors:
@@ -290,8 +298,7 @@ async def stream_response(
     extra_headers: Iterable[tuple[str, str]] = (),
 ) -> web.StreamResponse:
     """Stream the upstream's answer to the client (``head``: bytes already read from it)."""
-    headers = client_response_headers(upstream)
-    headers.extend(extra_headers)
+    headers = client_response_headers(upstream, extra_headers)
     request[UPSTREAM_SERVER] = "Server" in headers
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     if upstream.content_length is not None:

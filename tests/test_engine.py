@@ -391,6 +391,22 @@ async def test_response_too_large_to_store_is_never_re_executed(
     assert upstream.count(key="huge") == 1
 
 
+@pytest.mark.parametrize("size", ["stored", "streamed"])
+async def test_an_upstreams_own_replay_header_gives_way_to_the_proxys(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, size: str
+) -> None:
+    """An upstream with idempotency of its own may answer Idempotent-Replayed itself: a response just executed
+    through the proxy still says false, once (an answer kept whole and one streamed past max_stored_response)."""
+    proxy = await make_proxy(idempotency={"max_stored_response": "4KiB"})
+    headers = {"X-Test-Replayed": "true", **({"X-Test-Size": "100000"} if size == "streamed" else {})}
+    resp, _ = await proxy.post("/v1/charges", key=f"own-{size}", body=CHARGE, headers=headers)
+    assert resp.status == 201 and resp.headers.getall("Idempotent-Replayed") == ["false"]
+    if size == "stored":
+        replay, _ = await proxy.post("/v1/charges", key=f"own-{size}", body=CHARGE, headers=headers)
+        assert replay.headers.getall("Idempotent-Replayed") == ["true"]
+    assert upstream.count(key=f"own-{size}") == 1
+
+
 async def test_in_flight_duplicate_is_409_with_retry_after(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:

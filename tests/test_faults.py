@@ -165,9 +165,10 @@ async def test_postgres_down_fail_open_forwards_unguarded(
     proxy = await make_proxy(storage_section=pg_section(own_pg_dsn, on_store_error="fail_open"))
     await proxy.post("/v1/charges", key="warm", body=CHARGE)
     own_pg.stop()
-    resp, _ = await proxy.post("/v1/charges", key="open", body=CHARGE)
+    resp, _ = await proxy.post("/v1/charges", key="open", body=CHARGE, headers={"X-Test-Replayed": "true"})
     assert resp.status == 201
     assert resp.headers["Idempotency-Status"] == "unguarded"
+    assert resp.headers.getall("Idempotent-Replayed") == ["false"]  # the proxy's own, not the upstream's
     assert upstream.count(key="open") == 1
     text = proxy.proxy.metrics.render().decode()
     assert 'outcome="store_error"' in text

@@ -10,6 +10,7 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-Hop: 1              answer with hop-by-hop headers (Connection-named, Keep-Alive)
   X-Test-Server: value       answer with this Server header
   X-Test-No-Server: 1        answer with no Server header at all (not even aiohttp's)
+  X-Test-Replayed: value     answer with Idempotent-Replayed: value (an upstream with idempotency of its own)
 The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them;
 /stream/broken?size=N declares N bytes and hangs up halfway.
 """
@@ -81,6 +82,8 @@ class RecordingUpstream:
             headers.update({"Connection": "X-Up-Private", "X-Up-Private": "1", "Keep-Alive": "timeout=5"})
         if "X-Test-Set-Cookie" in h:
             headers["Set-Cookie"] = h["X-Test-Set-Cookie"]
+        if "X-Test-Replayed" in h:
+            headers["Idempotent-Replayed"] = h["X-Test-Replayed"]
         if "X-Test-Size" in h:
             return web.Response(status=status, body=b"x" * int(h["X-Test-Size"]), headers=headers)
         payload = {"serial": serial, "method": request.method, "path": request.raw_path,
