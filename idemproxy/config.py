@@ -85,6 +85,9 @@ class Secret:
 # Query parameters that carry a secret in a DSN or URL (libpq's and asyncpg's password and sslpassword, redis-py's
 # password; anything else named like a secret, to be safe).
 _SECRET_PARAMETER = re.compile(r"password|passwd|secret|token", re.IGNORECASE)
+_USERINFO_PASSWORD = re.compile(r"(//[^/@:]*:)[^/@]*@")
+_KEY_VALUE_SECRET = re.compile(r"(\w*(?:password|passwd|secret|token)\w*)(\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)",
+                               re.IGNORECASE)
 
 
 class SecretURL(Secret):
@@ -92,7 +95,12 @@ class SecretURL(Secret):
     (``?password=...``)."""
 
     def masked(self) -> str:
-        parts = original = urlsplit(self._value)
+        if "://" not in self._value:  # libpq's key=value form: password=... (quoted or not)
+            return _KEY_VALUE_SECRET.sub(r"\1\2***", self._value)
+        try:
+            parts = original = urlsplit(self._value)
+        except ValueError:  # not a URL urllib can take apart (a bad IPv6 host): mask what looks like user:password@
+            return _USERINFO_PASSWORD.sub(r"\1***@", self._value)
         if parts.password is not None:
             parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
         if parts.query:
@@ -447,10 +455,23 @@ def _method(value: Any) -> str:
 
 
 def _http_url(value: Any) -> str:
+    """An http(s) URL with a host (and a valid port, if any). Shown masked in errors: it may hold a password."""
     text = _str(value)
-    parts = urlsplit(text)
+    shown = repr(SecretURL(text).masked())
+    if any(ord(char) <= 0x20 or ord(char) == 0x7F for char in text):
+        raise _Invalid(f"{shown} holds whitespace or a control character")
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # raises for a port that is not a number, or past 65535
+    except ValueError:
+        raise _Invalid(f"{shown} is not a valid URL (check the host and the port)") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise _Invalid(f"{text!r} is not an http(s) URL with a host")
+        raise _Invalid(f"{shown} is not an http(s) URL with a host")
+    if port == 0:
+        raise _Invalid(f"{shown} has port 0")
+    if parts.username is not None or parts.password is not None:
+        raise _Invalid(f"{shown} holds credentials, which are never sent upstream: remove them (the client's own "
+                       "headers, Authorization included, are passed on)")
     return text.rstrip("/")
 
 
@@ -469,7 +490,8 @@ def _redis_url(value: Any) -> SecretURL:
 def _pg_dsn(value: Any) -> SecretURL:
     text = _secret_text(value)
     if urlsplit(text).scheme not in ("postgres", "postgresql"):
-        raise _Invalid(f"{SecretURL(text).masked()!r} is not a postgresql:// DSN")
+        raise _Invalid(f"{SecretURL(text).masked()!r} is not a postgresql:// DSN (the URL form; libpq's "
+                       "key=value form is not read)")
     return SecretURL(text)
 
 
@@ -604,9 +626,15 @@ class _Loader:
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = env
         self.errors: list[str] = []
+        self._failed: set[str] = set()
 
     def error(self, path: str, message: str) -> None:
         self.errors.append(f"{path}: {message}")
+        self._failed.add(path)
+
+    def failed(self, path: str) -> bool:
+        """Whether ``path`` (or an item of it) already has an error: one mistake is reported once."""
+        return any(failed == path or failed.startswith((f"{path}.", f"{path}[")) for failed in self._failed)
 
     def invalid(self, path: str, exc: _Invalid) -> None:
         self.error(path + exc.where, str(exc))
@@ -651,6 +679,8 @@ class _Loader:
             parser = spec.get(str(key))
             if parser is None:
                 self.error(key_path, f"unknown key (known: {', '.join((*also_known, *spec))})")
+                continue
+            if self.failed(key_path):  # its ${NAME} was not set: that is the error, not the empty value
                 continue
             try:
                 changes["from_" if key == "from" else str(key)] = parser(value)
@@ -704,7 +734,7 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         upstream = None
         if upstream_raw is not None:
             upstream = loader.section(UpstreamConfig, f"{path}.upstream", upstream_raw)
-            if not upstream.url:
+            if not upstream.url and not loader.failed(f"{path}.upstream.url"):
                 loader.error(f"{path}.upstream.url", "is required when a route names its own upstream")
         routes.append(RouteConfig(prefix=prefix, enabled=enabled, idempotency=idem, upstream=upstream))
     return tuple(routes)
@@ -806,7 +836,7 @@ def advisories(config: Config) -> list[str]:
 
 
 def _cross_checks(loader: _Loader, config: Config) -> None:
-    if not config.upstream.url:
+    if not config.upstream.url and not loader.failed("upstream.url"):
         loader.error("upstream.url", "is required (the API to put idempotency in front of)")
     # Every upstream's timeout against the lease of every route that uses it (paths matching no route use
     # the top-level upstream with the idempotency defaults).

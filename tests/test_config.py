@@ -284,6 +284,36 @@ def test_passwords_given_as_query_parameters_are_masked_too(tmp_path: Path) -> N
     assert "SECRET" not in repr(load_config(raw, env={}))
 
 
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"upstream": {"url": "http://127.0.0.1:99999"}},
+         "upstream.url: 'http://127.0.0.1:99999' is not a valid URL (check the host and the port)"),
+        ({"upstream": {"url": "http://api:abc"}}, "upstream.url: 'http://api:abc' is not a valid URL"),
+        ({"upstream": {"url": "http://[::1"}}, "upstream.url: 'http://[::1' is not a valid URL"),
+        ({"upstream": {"url": "http://api:0"}}, "upstream.url: 'http://api:0' has port 0"),
+        ({"upstream": {"url": "http://api:1\n/x"}}, "upstream.url: 'http://api:1\\n/x' holds whitespace"),
+        ({"upstream": {"url": "http://user:pw-SECRET@api:1"}},
+         "upstream.url: 'http://user:***@api:1' holds credentials, which are never sent upstream"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "upstream": {"url": "https://u:pw-SECRET@[::1"}}]},
+         "routes[0].upstream.url: 'https://u:***@[::1' is not a valid URL"),
+        ({"upstream": {"url": "ftp://u:pw-SECRET@api:1"}}, "upstream.url: 'ftp://u:***@api:1' is not an http(s) URL"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "host=db user=app password=pw-SECRET dbname=idem"}}},
+         "storage.postgres.dsn: 'host=db user=app password=*** dbname=idem' is not a postgresql:// DSN"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "host=db password='pw SECRET' sslpassword=SECRET"}}},
+         "storage.postgres.dsn: 'host=db password=*** sslpassword=***' is not a postgresql:// DSN"),
+        ({"upstream": {"url": "${UNSET_UPSTREAM}"}}, "upstream.url: environment variable UNSET_UPSTREAM is not set"),
+        ({"upstream": {"url": "ftp://api:1"}}, "upstream.url: 'ftp://api:1' is not an http(s) URL with a host"),
+    ],
+)
+def test_a_bad_url_is_one_error_naming_the_key_and_no_secret(raw: dict[str, Any], expected: str) -> None:
+    """Every bad URL is refused by check-config (not first at serve, as a port past 65535 was), once (an unset
+    ${NAME} or a refused URL is not also reported as missing), and never shows a password."""
+    errors = errors_of(raw)
+    assert len(errors) == 1 and errors[0].startswith(expected), errors
+    assert "SECRET" not in errors[0]
+
+
 def test_a_file_that_is_not_yaml_is_one_line_that_quotes_none_of_it(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text('upstream: {url: "http://x:1"\nadmin: {token: "tok-SECRET"}\n')
