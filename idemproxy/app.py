@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import Any
@@ -33,6 +34,9 @@ SWEEP_INTERVAL = 30.0  # seconds between sweeps; expired records are claimable a
 SWEEP_BATCH = 1000
 STORE_PROBE_INTERVAL = 10.0  # seconds between background store checks feeding idemproxy_store_up
 STORE_PROBE_TIMEOUT = 2.0  # a store that does not answer a ping within this is reported unavailable
+# Shutdown: requests still running at shutdown_timeout are cancelled and get this long to unwind; aiohttp's own
+# per-connection wait (which would wait shutdown_timeout twice over) is given only this long to close connections.
+CLOSE_GRACE = 0.5
 
 _WELL_FORMED_ID = re.compile(r"[\x21-\x7e]{1,128}")  # 1-128 visible ASCII characters
 
@@ -73,6 +77,8 @@ class Proxy:
         self._store_states: dict[str, str] = {}
         self._background: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
+        self._handling: set[asyncio.Task[Any]] = set()  # requests of the proxy port in progress
+        self._shutdown_deadline: float | None = None  # monotonic; shutdown_timeout counted once, from the first step
 
     async def start(self) -> None:
         await self.store.open()
@@ -101,10 +107,32 @@ class Proxy:
         # Not awaited unbounded: redis-py can swallow a cancellation mid-command, so the probe also ends by
         # the flag above, within one probe timeout.
         await asyncio.wait(self._background, timeout=STORE_PROBE_TIMEOUT + 1)
-        await self.engine.drain(self.config.shutdown_timeout)
+        await self.engine.drain(self._shutdown_left())
         await self.upstreams.close()
         await self.store.close()
         await self.tracer.shutdown()  # last: the spans of the drained requests are exported too
+
+    def _shutdown_left(self) -> float:
+        """What is left of shutdown_timeout, counted from the first shutdown step (all of it before one)."""
+        if self._shutdown_deadline is None:
+            self._shutdown_deadline = time.monotonic() + self.config.shutdown_timeout
+        return max(self._shutdown_deadline - time.monotonic(), 0.0)
+
+    async def finish_requests(self) -> None:
+        """At shutdown, once no new connection is accepted: let the requests in progress finish within
+        shutdown_timeout, then cancel the ones still running (their clients' connections close unanswered). A
+        cancelled request's forward and completion go on, shielded, within what is left of the same
+        shutdown_timeout (``stop``): one budget for everything, not one per step."""
+        left = self._shutdown_left()
+        if self._handling:
+            await asyncio.wait(set(self._handling), timeout=left)
+        late = [task for task in self._handling if not task.done()]
+        if late:
+            log.warning("shutdown_timeout (%gs) reached with %d request(s) still in progress: closing their "
+                        "connections unanswered", self.config.shutdown_timeout, len(late))
+            for task in late:
+                task.cancel()
+            await asyncio.wait(late, timeout=CLOSE_GRACE)
 
     async def check_stores(self) -> Health:
         """Ping the stores (bounded in time), and record the answer in ``idemproxy_store_up``."""
@@ -174,15 +202,22 @@ class Proxy:
 
         A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
         """
-        request[REQUEST_ID] = self._request_id(request)
-        if request.headers.get("Expect"):  # (an empty Expect names no expectation: as web.Application did)
-            refused = await _expect(request)
-            if refused is not None:
-                return refused
-        response = await render_problems(request, self.engine.handle)
-        if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
-            request[UPSTREAM_SERVER] = "Server" in response.headers
-        return response
+        task = asyncio.current_task()  # the request's own (aiohttp runs each in one; request.task is the connection's)
+        assert task is not None
+        handling = self._handling
+        handling.add(task)
+        try:
+            request[REQUEST_ID] = self._request_id(request)
+            if request.headers.get("Expect"):  # (an empty Expect names no expectation: as web.Application did)
+                refused = await _expect(request)
+                if refused is not None:
+                    return refused
+            response = await render_problems(request, self.engine.handle)
+            if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
+                request[UPSTREAM_SERVER] = "Server" in response.headers
+            return response
+        finally:
+            handling.discard(task)
 
     def _request_id(self, request: web.BaseRequest) -> str:
         """A well-formed incoming request id, else a new one: 128 random bits in hex, as uuid4().hex has."""
@@ -246,7 +281,8 @@ async def _strip_server_banner_hook(request: web.BaseRequest, response: web.Stre
 async def serve(config: Config, *, reuse_port: bool = False) -> None:
     """Run until SIGTERM/SIGINT; then drain (CONTRACT "Draining") and stop. A second signal exits at once."""
     proxy = Proxy(config, ready_after_start=False)
-    proxy_runner = proxy.runner(access_log=None, shutdown_timeout=config.shutdown_timeout)
+    # The runner's own shutdown wait only closes connections: Proxy.finish_requests keeps shutdown_timeout.
+    proxy_runner = proxy.runner(access_log=None, shutdown_timeout=CLOSE_GRACE)
     admin_runner = web.AppRunner(proxy.admin_app(), access_log=None, handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -314,7 +350,8 @@ class _ProxyRunner(web.BaseRunner):
         self._started = False
 
     async def shutdown(self) -> None:
-        pass
+        # aiohttp calls this once the sites stopped accepting, before closing the connections
+        await self._proxy.finish_requests()
 
     async def _make_server(self) -> web.Server:
         await self._proxy.start()

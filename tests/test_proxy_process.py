@@ -139,6 +139,39 @@ async def test_sigterm_drains_then_stops_accepting_then_exits_0(
     assert "draining: /readyz is 503" in proxy.log()
 
 
+async def test_shutdown_timeout_bounds_the_whole_shutdown(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """Requests that outlive shutdown_timeout (the upstream never answers) are cut at it: the process exits 0
+    within shutdown_timeout once the drain delay is over, not after two or three of them (aiohttp's runner waits
+    the timeout twice per connection, and the forwards' drain a third time)."""
+    timeout = 2.0
+    proxy = proxy_process({**embedded(upstream, tmp_path), "drain_delay": "0s", "shutdown_timeout": f"{timeout}s"})
+    await proxy.start()
+    assert proxy.proc is not None
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session:
+        hang = {"X-Test-Hang": "1", "Authorization": "t"}
+        covered = asyncio.ensure_future(session.post(
+            proxy.url + "/pay", data=b"{}", headers={**hang, "Idempotency-Key": "stuck"}))
+        plain = asyncio.ensure_future(session.get(proxy.url + "/plain", headers=hang))
+        while len(upstream.executed) < 2:  # both are at the upstream, which will not answer
+            await asyncio.sleep(0.01)
+        proxy.proc.send_signal(signal.SIGTERM)
+        signalled = loop.time()
+        code = await asyncio.to_thread(proxy.proc.wait, 30)
+        took = loop.time() - signalled
+        for request in (covered, plain):
+            try:
+                (await request).release()
+                raise AssertionError("a request cut at shutdown_timeout was answered")
+            except aiohttp.ClientConnectionError:
+                pass  # its connection closed unanswered
+    assert code == 0
+    assert timeout <= took < timeout + 1.5, took
+    assert "shutdown_timeout (2s) reached with 2 request(s) still in progress" in proxy.log()
+
+
 async def test_a_second_signal_exits_at_once(
     upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
 ) -> None:
