@@ -16,7 +16,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from idemproxy import __version__
 from idemproxy.config import STORE_KEY_BYTES, Config, ConfigError, advisories, dump_yaml, load_config_file
@@ -27,8 +27,16 @@ from idemproxy.tracing import TracingUnavailable, require
 log = logging.getLogger("idemproxy")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (the contract: every error of the CLI is one line), not the
+    usage block argparse prints before it. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see: {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="idemproxy", description="Idempotency-Key semantics in front of any HTTP API."
     )
     parser.add_argument("--version", action="version", version=f"idemproxy {__version__}")

@@ -118,6 +118,22 @@ async def test_workers_share_the_port_and_metrics_add_up(
     assert len(set(re.findall(r"started 2 workers: \[(\d+), (\d+)\]", output)[0])) == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("serve", "--port", "abc"), "idemproxy serve: argument --port: invalid int value: 'abc'"),
+        (("frobnicate",), "idemproxy: argument command: invalid choice: 'frobnicate'"),
+        (("check-config",), "idemproxy check-config: the following arguments are required: file"),
+        (("serve", "--bogus"), "idemproxy: unrecognized arguments: --bogus"),
+    ],
+)
+def test_a_usage_error_is_one_line(args: tuple[str, ...], expected: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stderr.startswith(expected) and result.stderr.count("\n") == 1, result.stderr
+    assert "--help" in result.stderr
+
+
 def test_version_is_printed() -> None:
     from idemproxy import __version__
 
