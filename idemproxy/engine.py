@@ -401,11 +401,15 @@ class Engine:
         stored = record.response
         assert stored is not None
         if stored.body is None:
-            raise ResponseNotReplayable(
+            problem = ResponseNotReplayable(
                 "The original response was too large to store; the request was executed once "
                 "and will not be executed again.",
                 original_status=stored.status,
             )
+            original = dict(stored.headers).get("Original-Request-Id")  # who executed it, as a replay says
+            if original is not None:
+                problem.headers["Original-Request-Id"] = original
+            raise problem
         headers = CIMultiDict(stored.headers)
         headers[idem.replay_header] = "true"
         return web.Response(status=stored.status, headers=headers, body=stored.body)

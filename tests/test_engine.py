@@ -388,6 +388,8 @@ async def test_response_too_large_to_store_is_never_re_executed(
     again, body = await proxy.post("/v1/charges", key="huge", body=CHARGE)
     assert again.status == 502
     assert problem(body)["code"] == "response_not_replayable" and problem(body)["original_status"] == 201
+    # who executed it, as a replay would say
+    assert again.headers["Original-Request-Id"] == resp.headers["X-Request-Id"] != again.headers["X-Request-Id"]
     assert upstream.count(key="huge") == 1
 
 
