@@ -78,12 +78,16 @@ def test_serve_refuses_a_bad_config_naming_the_key(tmp_path: Path) -> None:
 
 def test_postgres_unreachable_at_start_is_a_clear_error(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
-    dsn = f"postgresql://idem:hunter2@127.0.0.1:{free_port()}/idem"
+    port = free_port()
+    dsn = f"postgresql://idem:hunter2@127.0.0.1:{port}/idem"
     config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
                                       "storage": {"postgres": {"dsn": dsn}}}))
     result = run_cli("serve", "--config", str(config))
     assert result.returncode == 1
-    assert "PostgreSQL is not reachable" in result.stderr and "hunter2" not in result.stderr
+    [last] = result.stderr.strip().splitlines()[-1:]  # the error itself, after a warning per failed attempt
+    assert last == (f"idemproxy: PostgreSQL at 127.0.0.1:{port} is not reachable after 5 attempts "
+                     "(ConnectionRefusedError; check storage.postgres.dsn)"), result.stderr
+    assert "hunter2" not in result.stderr
 
 
 async def test_workers_share_the_port_and_metrics_add_up(

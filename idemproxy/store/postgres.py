@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import asyncpg
 
@@ -544,6 +545,18 @@ async def _apply_layout(conn: Any, partitions: str, convert: bool) -> None:
         await conn.execute(BATCH_FUNCTIONS)
 
 
+def server_of(dsn: str) -> str:
+    """``PostgreSQL at host:port`` as a DSN names it (never its user or password), for messages."""
+    try:
+        parts = urlsplit(dsn)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host:  # a unix socket or a host given in the query: the DSN's own words are not repeated
+        return "PostgreSQL"
+    return f"PostgreSQL at {f'[{host}]' if ':' in host else host}:{port or 5432}"
+
+
 async def connect_with_retries(
     connect: Callable[[], Any], what: str, attempts: int = 5, delay: float = 0.5
 ) -> Any:
@@ -553,7 +566,8 @@ async def connect_with_retries(
             return await connect()
         except (*_DB_ERRORS, ConnectionError) as exc:
             if attempt == attempts:
-                raise StoreUnavailable(f"{what} is not reachable") from exc
+                raise StoreUnavailable(f"{what} is not reachable after {attempts} attempts "
+                                       f"({type(exc).__name__}; check storage.postgres.dsn)") from exc
             log.warning("%s not reachable (attempt %d/%d): %s", what, attempt, attempts, type(exc).__name__)
             await asyncio.sleep(delay * attempt)
     raise AssertionError("unreachable")
@@ -600,7 +614,7 @@ class PostgresStore(Store):
                 command_timeout=OPERATION_TIMEOUT, timeout=OPERATION_TIMEOUT,
                 init=self._init_connection, reset=_no_reset,
             ),
-            "PostgreSQL",
+            server_of(dsn),
         )
         async with self._conn("open") as conn:
             if self.config.migrate == "auto":
@@ -892,7 +906,7 @@ async def apply_migrations(config: PostgresConfig) -> tuple[list[int], str]:
     """``idemproxy migrate``: one connection, the migrations and the layout (a single table holding records is
     converted to daily partitions when so configured), done (safe to run twice). Returns (applied, layout)."""
     conn = await connect_with_retries(
-        lambda: asyncpg.connect(config.dsn.reveal(), timeout=OPERATION_TIMEOUT), "PostgreSQL"
+        lambda: asyncpg.connect(config.dsn.reveal(), timeout=OPERATION_TIMEOUT), server_of(config.dsn.reveal())
     )
     try:
         applied = await migrate(conn, config.partitions, convert=True)
