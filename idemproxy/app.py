@@ -23,7 +23,7 @@ from idemproxy.config import Config, advisories, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
 from idemproxy.problems import BadRequest, StoreUnavailable, problem_middleware, render_problems
-from idemproxy.proxy import REQUEST_ID, UPSTREAM_SERVER, Upstreams
+from idemproxy.proxy import REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upstreams
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
 from idemproxy.tracing import build_tracer
@@ -229,6 +229,8 @@ class Proxy:
     async def _on_proxy_response(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
         """Every response of the proxy port: the request id, and no aiohttp banner (only the upstream's own)."""
         _strip_server_banner(request, response)
+        if response.get(UNTYPED):
+            response.headers.popall("Content-Type", None)
         request_id = request.get(REQUEST_ID)
         if request_id is None:  # an answer aiohttp made without the handler: a 400 for a request it could not
             request_id = request[REQUEST_ID] = new_request_id()  # parse (its headers are not to be trusted)

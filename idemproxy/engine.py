@@ -62,6 +62,7 @@ from idemproxy.proxy import (
     read_at_most,
     request_target,
     stream_response,
+    upstream_answer,
     upstream_errors,
 )
 from idemproxy.replays import ReplayCache
@@ -412,7 +413,7 @@ class Engine:
             raise problem
         headers = CIMultiDict(stored.headers)
         headers[idem.replay_header] = "true"
-        return web.Response(status=stored.status, headers=headers, body=stored.body)
+        return upstream_answer(stored.status, None, headers, stored.body)
 
     # ------------------------------------------------------------------ forwarding the owner
 
@@ -443,10 +444,7 @@ class Engine:
         try:
             if forwarded.complete:
                 out = client_response_headers(forwarded.upstream, headers)
-                return web.Response(
-                    status=forwarded.upstream.status, reason=forwarded.upstream.reason,
-                    headers=out, body=forwarded.head,
-                )
+                return upstream_answer(forwarded.upstream.status, forwarded.upstream.reason, out, forwarded.head)
             return await stream_response(
                 request, forwarded.upstream, head=forwarded.head, extra_headers=headers
             )

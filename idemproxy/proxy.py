@@ -39,6 +39,18 @@ REQUEST_ID = web.RequestKey("request_id", str)
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)
 """True when the response being sent carries the upstream's own ``Server`` header (kept, not stripped)."""
 
+UNTYPED = web.ResponseKey("untyped", bool)
+"""Set on an upstream's answer (live or replayed) that came without ``Content-Type``: aiohttp adds
+``application/octet-stream`` to any body without one, and the app's response hook takes it off again."""
+
+
+def upstream_answer(status: int, reason: str | None, headers: CIMultiDict[str], body: bytes) -> web.Response:
+    """A whole upstream answer (or a replay of one) as a response, its headers as they were."""
+    response = web.Response(status=status, reason=reason, headers=headers, body=body)
+    if "Content-Type" not in headers:
+        response[UNTYPED] = True
+    return response
+
 
 @dataclass(frozen=True)
 class HeaderPolicy:
@@ -237,8 +249,7 @@ class Upstream:
             if _small_answer(request, upstream):
                 with upstream_errors():  # nothing sent to the client yet: a broken body is a proper 502
                     payload = await upstream.read()
-                return web.Response(status=upstream.status, reason=upstream.reason,
-                                    headers=client_response_headers(upstream), body=payload)
+                return upstream_answer(upstream.status, upstream.reason, client_response_headers(upstream), payload)
             return await stream_response(request, upstream)
         finally:
             upstream.release()
@@ -301,6 +312,8 @@ async def stream_response(
     headers = client_response_headers(upstream, extra_headers)
     request[UPSTREAM_SERVER] = "Server" in headers
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+    if "Content-Type" not in headers:
+        response[UNTYPED] = True
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
     await response.prepare(request)

@@ -409,6 +409,25 @@ async def test_an_upstreams_own_replay_header_gives_way_to_the_proxys(
     assert upstream.count(key=f"own-{size}") == 1
 
 
+@pytest.mark.parametrize("size", ["stored", "streamed"])
+async def test_an_answer_without_content_type_gets_none_added(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, size: str
+) -> None:
+    """aiohttp gives any body without a Content-Type application/octet-stream; an upstream's answer (live, replayed,
+    or passed through) keeps the headers it came with."""
+    proxy = await make_proxy(idempotency={"max_stored_response": "4KiB"})
+    headers = {"X-Test-No-Type": "1", "X-Test-Size": "100000" if size == "streamed" else "10"}
+    fresh, body = await proxy.post("/v1/charges", key=f"untyped-{size}", body=CHARGE, headers=headers)
+    assert fresh.status == 201 and body and "Content-Type" not in fresh.headers
+    if size == "stored":
+        replay, body = await proxy.post("/v1/charges", key=f"untyped-{size}", body=CHARGE, headers=headers)
+        assert replay.headers["Idempotent-Replayed"] == "true" and body and "Content-Type" not in replay.headers
+    async with proxy.session.get(proxy.url + "/v1/plain", headers=headers) as plain:
+        assert plain.status == 200 and await plain.read() and "Content-Type" not in plain.headers
+    typed, _ = await proxy.post("/v1/charges", key=f"typed-{size}", body=CHARGE)
+    assert typed.headers["Content-Type"].startswith("application/json")  # one the upstream sent is kept
+
+
 async def test_in_flight_duplicate_is_409_with_retry_after(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:

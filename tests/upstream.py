@@ -11,6 +11,7 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-Server: value       answer with this Server header
   X-Test-No-Server: 1        answer with no Server header at all (not even aiohttp's)
   X-Test-Replayed: value     answer with Idempotent-Replayed: value (an upstream with idempotency of its own)
+  X-Test-No-Type: 1          answer with no Content-Type (aiohttp would add application/octet-stream)
 The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them;
 /stream/broken?size=N declares N bytes and hangs up halfway.
 """
@@ -133,6 +134,8 @@ async def _server_header(request: web.BaseRequest, response: web.StreamResponse)
         response.headers["Server"] = request.headers["X-Test-Server"]
     elif "X-Test-No-Server" in request.headers:
         response.headers.popall("Server", None)
+    if "X-Test-No-Type" in request.headers:
+        response.headers.popall("Content-Type", None)
 
 
 def pattern_sha256(size: int) -> str:
