@@ -74,7 +74,12 @@ class Proxy:
         self.phase = Phase.STARTING
         # serve() marks the process ready itself, once the proxy port listens.
         self._ready_after_start = ready_after_start
-        self._store_states: dict[str, str] = {}
+        # Until the first check: each configured store "opening" (while starting, /readyz names them so).
+        storage = config.storage
+        self._store_states: dict[str, str] = {
+            name: "opening" for name, used in (("postgres", storage.postgres is not None),
+                                               ("redis", storage.redis is not None),
+                                               ("embedded", storage.postgres is None)) if used}
         self._background: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         self._handling: set[asyncio.Task[Any]] = set()  # requests of the proxy port in progress

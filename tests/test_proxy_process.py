@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import signal
 import subprocess
 import sys
@@ -193,7 +194,7 @@ async def test_readyz_is_503_while_starting(proxy_process: Factory, tmp_path: Pa
     proxy = proxy_process({"upstream": {"url": "http://127.0.0.1:1"}, "storage": {"postgres": {"dsn": dsn}}})
     await proxy.start(wait=False)
     assert proxy.proc is not None
-    seen: set[tuple[int, str]] = set()
+    seen: set[tuple[int, str, str]] = set()
     async with aiohttp.ClientSession() as session:
         while proxy.proc.poll() is None and not seen:
             try:
@@ -202,9 +203,9 @@ async def test_readyz_is_503_while_starting(proxy_process: Factory, tmp_path: Pa
             except aiohttp.ClientConnectionError:
                 await asyncio.sleep(0.05)
                 continue
-            seen.add((status, body["status"]))
+            seen.add((status, body["status"], json.dumps(body["stores"])))
             assert healthz == 200
-    assert seen == {(503, "starting")}, proxy.log()
+    assert seen == {(503, "starting", '{"postgres": "opening"}')}, proxy.log()  # names the store it waits for
     assert await asyncio.to_thread(proxy.proc.wait, 30) == 1
 
 
