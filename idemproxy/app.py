@@ -17,12 +17,13 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
+from aiohttp.web_protocol import RequestHandler
 
 from idemproxy.admin import AdminAPI
 from idemproxy.config import Config, advisories, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
-from idemproxy.problems import BadRequest, StoreUnavailable, problem_middleware, render_problems
+from idemproxy.problems import BadRequest, InvalidKey, Problem, StoreUnavailable, problem_middleware, render_problems
 from idemproxy.proxy import REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upstreams
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
@@ -200,7 +201,9 @@ class Proxy:
 
         # auto_decompress off: a gzip request body must reach the upstream (and the fingerprint) as sent.
         settings: dict[str, Any] = {**kwargs, "max_field_size": 16384, "auto_decompress": False}
-        return web.Server(self._serve, request_factory=request_factory, **settings)
+        key_headers = frozenset(idem.header.lower() for idem in (
+            self.config.idempotency, *(route.idempotency for route in self.config.routes)))
+        return _Server(self._serve, request_factory=request_factory, key_headers=key_headers, **settings)
 
     async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
         """The one handler of the proxy port: the request id, ``Expect``, the engine, problems rendered.
@@ -345,6 +348,53 @@ class _ProxyRequest(web.BaseRequest):
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         await self[_ON_PREPARE](self, response)
+
+
+class _ProblemRequestHandler(RequestHandler):
+    """aiohttp's connection handler for the proxy port, its own error answers as problem+json like every other
+    answer the proxy makes. A request aiohttp's parser refused (a malformed request line, a header value with a
+    control character, an oversized header) never reaches the handler: aiohttp answered it text/plain, and logged
+    the parser's message, which quotes the offending line (an Authorization header, a key) with a traceback, at
+    ERROR, for any client that sends one."""
+
+    key_headers: frozenset[str] = frozenset()  # lower-case names of the idempotency key header (all routes)
+
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp: an answer was started, the connection is broken
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        problem: Problem
+        if 400 <= status < 500:
+            log.info("refused a request that is not valid HTTP/1.1 (%s)", type(exc).__name__ if exc else status)
+            # The parser's message quotes the line it refused, as b'Name: value': the name alone says whether it
+            # was the key (never logged or echoed: the value may be a credential).
+            quoted = (message or "").lower()
+            if any(f"b'{name}:" in quoted for name in self.key_headers):
+                problem = InvalidKey("The idempotency key must be printable ASCII; nothing was forwarded.")
+            else:
+                problem = BadRequest("The request is not valid HTTP/1.1 (for example, a header value holding a "
+                                     "control character); nothing was forwarded.", status=status)
+        else:
+            log.error("unexpected error handling a request", exc_info=exc)
+            problem = Problem("The proxy failed to handle the request.", status=status)
+        response = problem.response()
+        response.force_close()  # as aiohttp's own error answer: the connection's state is not to be trusted
+        return response
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server, with :class:`_ProblemRequestHandler` for each connection."""
+
+    def __init__(self, *args: Any, key_headers: frozenset[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.key_headers = key_headers
+
+    def __call__(self) -> RequestHandler:
+        handler = _ProblemRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler.key_headers = self.key_headers
+        return handler
 
 
 class _ProxyRunner(web.BaseRunner):

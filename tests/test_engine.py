@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -17,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from idemproxy.app import Proxy
 from idemproxy.store import build_store
 from tests.conftest import BACKENDS, ProxyFactory, RunningProxy, StorageFactory, build_config, empty_records
-from tests.rawhttp import raw_exchange
+from tests.rawhttp import build_request, raw_exchange, send_raw
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream
 
@@ -176,6 +177,32 @@ async def test_invalid_keys_are_400(make_proxy: ProxyFactory, upstream: Recordin
         "/v1/charges", body=CHARGE, headers={"Idempotency-Key": key.encode("utf-8").decode("latin-1")}
     )
     assert resp.status == 400 and problem(body)["code"] == "invalid_key"
+    assert upstream.executed == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (build_request(b"POST", b"/v1/charges", [(b"Idempotency-Key", b"k\x01ey"), (b"Authorization", b"t")], b"{}"),
+         "invalid_key"),
+        (build_request(b"POST", b"/v1/charges", [(b"Idempotency-Key", b"k"), (b"Authorization", b"sk_live_SECRET\x01")],
+                       b"{}"), "bad_request"),
+        (b"GARBAGE\r\n\r\n", "bad_request"),
+    ],
+    ids=["control-char-in-key", "control-char-in-credential", "not-http"],
+)
+async def test_a_request_the_parser_refuses_gets_a_problem_and_logs_nothing_of_it(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture, raw: bytes, code: str
+) -> None:
+    """aiohttp's parser refuses such requests before the handler runs; its own answer was text/plain, and it logged
+    the refused line (a credential here) with a traceback at ERROR."""
+    proxy = await make_proxy()
+    with caplog.at_level(logging.DEBUG):
+        resp = await send_raw(proxy.url, raw)
+    assert resp.status == 400 and resp.headers["content-type"] == "application/problem+json"
+    assert json.loads(resp.body)["code"] == code and resp.headers["x-request-id"]
+    assert b"SECRET" not in resp.body and "SECRET" not in caplog.text and "ERROR" not in caplog.text
+    assert "refused a request that is not valid HTTP/1.1" in caplog.text
     assert upstream.executed == []
 
 
