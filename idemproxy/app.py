@@ -38,6 +38,7 @@ STORE_PROBE_TIMEOUT = 2.0  # a store that does not answer a ping within this is 
 # Shutdown: requests still running at shutdown_timeout are cancelled and get this long to unwind; aiohttp's own
 # per-connection wait (which would wait shutdown_timeout twice over) is given only this long to close connections.
 CLOSE_GRACE = 0.5
+_OCTET_STREAM = "application/octet-stream"  # what aiohttp gives a body without a type
 
 _WELL_FORMED_ID = re.compile(r"[\x21-\x7e]{1,128}")  # 1-128 visible ASCII characters
 
@@ -237,7 +238,8 @@ class Proxy:
     async def _on_proxy_response(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
         """Every response of the proxy port: the request id, and no aiohttp banner (only the upstream's own)."""
         _strip_server_banner(request, response)
-        if response.get(UNTYPED):
+        # (the type first: a mapping lookup of a missing key raises and catches KeyError, on every response)
+        if response.headers.get("Content-Type") == _OCTET_STREAM and response.get(UNTYPED):
             response.headers.popall("Content-Type", None)
         request_id = request.get(REQUEST_ID)
         if request_id is None:  # an answer aiohttp made without the handler: a 400 for a request it could not
