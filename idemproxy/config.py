@@ -313,11 +313,31 @@ class Config:
         return any(i.in_flight == "wait" for i in (self.idempotency, *(r.idempotency for r in self.routes)))
 
     def route_for(self, path: str) -> RouteConfig | None:
-        """The first route whose prefix matches ``path`` (None: the defaults apply)."""
+        """The first route whose prefix matches ``path`` (None: the defaults apply). Matched as an upstream that
+        merges slashes and resolves dot segments reads it, so ``//v1/charges`` cannot slip past a ``required``
+        route; the path forwarded stays as sent."""
+        if "//" in path or "/." in path:
+            path = normalised_path(path)
         for route in self.routes:
             if path.startswith(route.prefix):
                 return route
         return None
+
+
+def normalised_path(path: str) -> str:
+    """``path`` with repeated slashes merged and ``.`` / ``..`` segments resolved (RFC 3986 §5.2.4), a trailing
+    slash kept: ``//a/./b/../c/`` → ``/a/c/``."""
+    kept: list[str] = []
+    for segment in path.split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if kept:
+                kept.pop()
+            continue
+        kept.append(segment)
+    trailing = bool(kept) and path.endswith(("/", "/.", "/.."))
+    return "/" + "/".join(kept) + ("/" if trailing else "")
 
 
 # --------------------------------------------------------------------------- value parsers

@@ -15,6 +15,7 @@ from idemproxy.config import (
     dump_yaml,
     load_config,
     load_config_file,
+    normalised_path,
     parse_duration,
     parse_size,
 )
@@ -517,3 +518,14 @@ def test_tracing_is_off_by_default_and_configurable() -> None:
 )
 def test_tracing_errors_name_the_key(tracing: dict[str, Any], expected: str) -> None:
     assert any(expected in error for error in errors_of({"upstream": UP, "tracing": tracing}))
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [("//v1/charges", "/v1/charges"), ("/v1/./charges/", "/v1/charges/"), ("/v1/x/../charges", "/v1/charges"),
+     ("/../v1", "/v1"), ("/v1/..", "/"), ("/a/b/..", "/a/"), ("//", "/"), ("/", "/")],
+)
+def test_routes_match_the_normalised_path(path: str, expected: str) -> None:
+    assert normalised_path(path) == expected
+    config = load_config({"upstream": UP, "routes": [{"prefix": "/v1/charges/", "ttl": "1h"}]}, env={})
+    assert (config.route_for(path) is not None) == expected.startswith("/v1/charges/")

@@ -152,6 +152,22 @@ async def test_required_route_without_key_is_400(make_proxy: ProxyFactory, upstr
     assert upstream.executed == []
 
 
+@pytest.mark.parametrize("target", [b"//v1/charges", b"/./v1/charges", b"/v1//charges", b"/v1/x/../charges",
+                                    b"/v1/%2e%2e/v1/charges"])
+async def test_a_route_matches_the_path_as_an_upstream_reads_it(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, target: bytes
+) -> None:
+    """An upstream that merges slashes and resolves dot segments executes //v1/charges as /v1/charges: the
+    route's policy (here required) applies to it too, and the path goes upstream as sent."""
+    proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True}])
+    headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
+    keyless = await send_raw(proxy.url, build_request(b"POST", target, headers, b"{}"))
+    assert keyless.status == 400 and json.loads(keyless.body)["code"] == "missing_key"
+    keyed = await send_raw(proxy.url, build_request(b"POST", target, [*headers, (b"Idempotency-Key", b"k")], b"{}"))
+    assert keyed.status == 201 and keyed.headers["idempotent-replayed"] == "false"
+    assert [e.path_qs for e in upstream.executed] == [target.decode()]
+
+
 async def test_missing_tenant_is_401(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
     proxy = await make_proxy()
     resp, body = await proxy.post("/v1/charges", key="k", body=CHARGE, tenant=None)
