@@ -84,7 +84,6 @@ class Proxy:
                                                ("embedded", storage.postgres is None)) if used}
         self._background: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
-        self._handling: set[asyncio.Task[Any]] = set()  # requests of the proxy port in progress
         self._shutdown_deadline: float | None = None  # monotonic; shutdown_timeout counted once, from the first step
 
     async def start(self) -> None:
@@ -125,15 +124,21 @@ class Proxy:
             self._shutdown_deadline = time.monotonic() + self.config.shutdown_timeout
         return max(self._shutdown_deadline - time.monotonic(), 0.0)
 
-    async def finish_requests(self) -> None:
-        """At shutdown, once no new connection is accepted: let the requests in progress finish within
-        shutdown_timeout, then cancel the ones still running (their clients' connections close unanswered). A
+    async def finish_requests(self, server: web.Server) -> None:
+        """At shutdown, once no new connection is accepted and each connection was told to close after its
+        current request (aiohttp's ``pre_shutdown``): let the requests in progress finish, their answers written
+        whole, within shutdown_timeout; then cancel the connections still busy (their clients get no answer). A
         cancelled request's forward and completion go on, shielded, within what is left of the same
-        shutdown_timeout (``stop``): one budget for everything, not one per step."""
+        shutdown_timeout (``stop``): one budget for everything, not one per step.
+
+        A connection's own task is waited on, not the handler's: it covers a request read but not yet handed to
+        the handler, and an answer still being written after the handler returned."""
         left = self._shutdown_left()
-        if self._handling:
-            await asyncio.wait(set(self._handling), timeout=left)
-        late = [task for task in self._handling if not task.done()]
+        busy = [task for conn in server.connections
+                if isinstance(conn, _ProblemRequestHandler) and (task := conn.task) is not None and not task.done()]
+        if busy:
+            await asyncio.wait(busy, timeout=left)
+        late = [task for task in busy if not task.done()]
         if late:
             log.warning("shutdown_timeout (%gs) reached with %d request(s) still in progress: closing their "
                         "connections unanswered", self.config.shutdown_timeout, len(late))
@@ -184,7 +189,10 @@ class Proxy:
 
     def runner(self, **kwargs: Any) -> web.BaseRunner:
         """The proxy port's runner: ``setup()`` opens this Proxy (store, pools), ``cleanup()`` stops accepting,
-        waits for the handlers, then stops it. ``kwargs`` as for ``web.AppRunner``."""
+        waits for the requests in progress (``finish_requests``), then stops it. ``kwargs`` as for
+        ``web.AppRunner``; its ``shutdown_timeout`` (aiohttp's own wait per connection, which would wait twice
+        over) only closes connections: this Proxy's ``shutdown_timeout`` is kept by ``finish_requests``."""
+        kwargs.setdefault("shutdown_timeout", CLOSE_GRACE)
         return _ProxyRunner(self, **kwargs)
 
     def proxy_server(self, **kwargs: Any) -> web.Server:
@@ -211,22 +219,15 @@ class Proxy:
 
         A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
         """
-        task = asyncio.current_task()  # the request's own (aiohttp runs each in one; request.task is the connection's)
-        assert task is not None
-        handling = self._handling
-        handling.add(task)
-        try:
-            request[REQUEST_ID] = self._request_id(request)
-            if request.headers.get("Expect"):  # (an empty Expect names no expectation: as web.Application did)
-                refused = await _expect(request)
-                if refused is not None:
-                    return refused
-            response = await render_problems(request, self.engine.handle)
-            if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
-                request[UPSTREAM_SERVER] = "Server" in response.headers
-            return response
-        finally:
-            handling.discard(task)
+        request[REQUEST_ID] = self._request_id(request)
+        if request.headers.get("Expect"):  # (an empty Expect names no expectation: as web.Application did)
+            refused = await _expect(request)
+            if refused is not None:
+                return refused
+        response = await render_problems(request, self.engine.handle)
+        if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
+            request[UPSTREAM_SERVER] = "Server" in response.headers
+        return response
 
     def _request_id(self, request: web.BaseRequest) -> str:
         """A well-formed incoming request id, else a new one: 128 random bits in hex, as uuid4().hex has."""
@@ -293,8 +294,7 @@ async def _strip_server_banner_hook(request: web.BaseRequest, response: web.Stre
 async def serve(config: Config, *, reuse_port: bool = False) -> None:
     """Run until SIGTERM/SIGINT; then drain (CONTRACT "Draining") and stop. A second signal exits at once."""
     proxy = Proxy(config, ready_after_start=False)
-    # The runner's own shutdown wait only closes connections: Proxy.finish_requests keeps shutdown_timeout.
-    proxy_runner = proxy.runner(access_log=None, shutdown_timeout=CLOSE_GRACE)
+    proxy_runner = proxy.runner(access_log=None)
     admin_runner = web.AppRunner(proxy.admin_app(), access_log=None, handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -361,12 +361,16 @@ class _ProblemRequestHandler(RequestHandler):
 
     key_headers: frozenset[str] = frozenset()  # lower-case names of the idempotency key header (all routes)
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """This connection's task: it reads requests and answers them one after another (at shutdown it ends
+        after the request in progress, once aiohttp's ``pre_shutdown`` closed the connection)."""
+        return self._task_handler
+
     def handle_error(
         self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        if request.writer.output_size > 0:  # as aiohttp: an answer was started, the connection is broken
-            raise ConnectionError("Response is sent already, cannot send another response with the error message")
         problem: Problem
         if 400 <= status < 500:
             log.info("refused a request that is not valid HTTP/1.1 (%s)", type(exc).__name__ if exc else status)
@@ -374,13 +378,16 @@ class _ProblemRequestHandler(RequestHandler):
             # was the key (never logged or echoed: the value may be a credential).
             quoted = (message or "").lower()
             if any(f"b'{name}:" in quoted for name in self.key_headers):
-                problem = InvalidKey("The idempotency key must be printable ASCII; nothing was forwarded.")
+                problem = InvalidKey("The idempotency key header could not be read (not printable ASCII, or too "
+                                     "long); nothing was forwarded.")
             else:
                 problem = BadRequest("The request is not valid HTTP/1.1 (for example, a header value holding a "
                                      "control character); nothing was forwarded.", status=status)
         else:
             log.error("unexpected error handling a request", exc_info=exc)
             problem = Problem("The proxy failed to handle the request.", status=status)
+        if request.writer.output_size > 0:  # as aiohttp: an answer was started, the connection is broken
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
         response = problem.response()
         response.force_close()  # as aiohttp's own error answer: the connection's state is not to be trusted
         return response
@@ -410,7 +417,8 @@ class _ProxyRunner(web.BaseRunner):
 
     async def shutdown(self) -> None:
         # aiohttp calls this once the sites stopped accepting, before closing the connections
-        await self._proxy.finish_requests()
+        assert self.server is not None
+        await self._proxy.finish_requests(self.server)
 
     async def _make_server(self) -> web.Server:
         await self._proxy.start()

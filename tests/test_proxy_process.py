@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -16,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from tests.proxyproc import ProxyProcess, wait_ready
+from tests.rawhttp import build_request
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream, pattern_sha256
 
@@ -171,6 +173,38 @@ async def test_shutdown_timeout_bounds_the_whole_shutdown(
     assert code == 0
     assert timeout <= took < timeout + 1.5, took
     assert "shutdown_timeout (2s) reached with 2 request(s) still in progress" in proxy.log()
+
+
+async def test_an_answer_still_being_written_at_shutdown_is_written_whole(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """A whole answer is written after the handler returned; to a slow reader that takes a while. Shutdown waits
+    for the connection, not only the handler, so the reader gets every byte (within shutdown_timeout)."""
+    size = 8 * MiB
+    proxy = proxy_process({
+        **embedded(upstream, tmp_path), "drain_delay": "0s", "shutdown_timeout": "20s",
+        "idempotency": {"max_stored_response": "9MiB"},
+        "storage": {"embedded": {"path": str(tmp_path / "s.sqlite3")}, "pending_settles": {"max_bytes": "64MiB"}},
+    })
+    await proxy.start()
+    assert proxy.proc is not None
+    request = build_request(b"POST", b"/pay", [(b"Idempotency-Key", b"big"), (b"Authorization", b"t"),
+                                             (b"X-Test-Size", str(size).encode())], b"{}")
+    host, port = proxy.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a slow reader: a small window
+    sock.connect((host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(request)
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")  # answered: the handler is done, the body is being written
+    assert head.startswith(b"HTTP/1.1 201")
+    proxy.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(1.5)  # read nothing for a while: the proxy is shutting down meanwhile
+    body = await reader.read()
+    writer.close()
+    assert len(body) == size
+    assert await asyncio.to_thread(proxy.proc.wait, 20) == 0
 
 
 async def test_a_second_signal_exits_at_once(
