@@ -313,15 +313,26 @@ class Config:
         return any(i.in_flight == "wait" for i in (self.idempotency, *(r.idempotency for r in self.routes)))
 
     def route_for(self, path: str) -> RouteConfig | None:
-        """The first route whose prefix matches ``path`` (None: the defaults apply). Matched as an upstream that
-        merges slashes and resolves dot segments reads it, so ``//v1/charges`` cannot slip past a ``required``
-        route; the path forwarded stays as sent."""
-        if "//" in path or "/." in path:
-            path = normalised_path(path)
+        """The first route whose prefix matches ``path`` (None: the defaults apply).
+
+        Raises :class:`AmbiguousPath` when ``path`` read as an upstream that merges slashes and resolves dot
+        segments would read it matches another route than ``path`` as sent (``//v1/charges``, or
+        ``/v1/charges/../events``): which of the two the upstream executes is not known here, so neither
+        route's policy can be trusted to apply."""
+        route = self._first_route(path)
+        if ("//" in path or "/." in path) and self._first_route(normalised_path(path)) is not route:
+            raise AmbiguousPath(path)
+        return route
+
+    def _first_route(self, path: str) -> RouteConfig | None:
         for route in self.routes:
             if path.startswith(route.prefix):
                 return route
         return None
+
+
+class AmbiguousPath(ValueError):
+    """A path whose routes as sent and as normalised (``normalised_path``) differ."""
 
 
 def normalised_path(path: str) -> str:

@@ -31,7 +31,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from idemproxy.client import UpstreamResponse
-from idemproxy.config import TENANT_MAX_BYTES, Config, IdempotencyConfig, lease_margin
+from idemproxy.config import TENANT_MAX_BYTES, AmbiguousPath, Config, IdempotencyConfig, lease_margin
 from idemproxy.fingerprint import Fingerprinter
 from idemproxy.metrics import Metrics, adder
 from idemproxy.problems import (
@@ -182,7 +182,11 @@ class Engine:
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
-        route = self.config.route_for(request.path)
+        try:
+            route = self.config.route_for(request.path)
+        except AmbiguousPath:
+            raise BadRequest("The path names another route once its repeated slashes or dot segments are resolved; "
+                             "send it resolved.") from None
         idem = route.idempotency if route is not None else self.config.idempotency
         exchange = _Exchange(upstream=self.upstreams.for_route(route))
         with self.tracer.server_span(request.method, route.prefix if route else None, request.headers) as span:

@@ -152,20 +152,36 @@ async def test_required_route_without_key_is_400(make_proxy: ProxyFactory, upstr
     assert upstream.executed == []
 
 
-@pytest.mark.parametrize("target", [b"//v1/charges", b"/./v1/charges", b"/v1//charges", b"/v1/x/../charges",
-                                    b"/v1/%2e%2e/v1/charges"])
-async def test_a_route_matches_the_path_as_an_upstream_reads_it(
+@pytest.mark.parametrize(
+    "target",
+    [b"//v1/charges", b"/./v1/charges", b"/v1/x/../charges", b"/v1/%2e%2e/v1/charges", b"/v1/charges/../events/x"],
+)
+async def test_a_path_that_reads_as_another_route_once_normalised_is_refused(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, target: bytes
 ) -> None:
-    """An upstream that merges slashes and resolves dot segments executes //v1/charges as /v1/charges: the
-    route's policy (here required) applies to it too, and the path goes upstream as sent."""
+    """An upstream that merges slashes and resolves dot segments executes //v1/charges as /v1/charges; one that
+    does not executes /v1/charges/../events as a charge. Where the two readings fall under different routes the
+    proxy cannot know which route's policy applies (here: required, and a disabled one), so it forwards neither."""
+    proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True},
+                                     {"prefix": "/v1/events", "enabled": False}])
+    headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
+    for extra in ([], [(b"Idempotency-Key", b"k")]):
+        resp = await send_raw(proxy.url, build_request(b"POST", target, [*headers, *extra], b"{}"))
+        assert resp.status == 400 and json.loads(resp.body)["code"] == "bad_request"
+    assert upstream.executed == []
+
+
+async def test_a_path_with_one_reading_is_forwarded_as_sent(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
     proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True}])
     headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
-    keyless = await send_raw(proxy.url, build_request(b"POST", target, headers, b"{}"))
-    assert keyless.status == 400 and json.loads(keyless.body)["code"] == "missing_key"
-    keyed = await send_raw(proxy.url, build_request(b"POST", target, [*headers, (b"Idempotency-Key", b"k")], b"{}"))
-    assert keyed.status == 201 and keyed.headers["idempotent-replayed"] == "false"
-    assert [e.path_qs for e in upstream.executed] == [target.decode()]
+    keyless = await send_raw(proxy.url, build_request(b"POST", b"/v1/charges//x/./y", headers, b"{}"))
+    assert keyless.status == 400 and json.loads(keyless.body)["code"] == "missing_key"  # the route applies
+    keyed = [*headers, (b"Idempotency-Key", b"k")]
+    resp = await send_raw(proxy.url, build_request(b"POST", b"/other//x", keyed, b"{}"))
+    assert resp.status == 201 and resp.headers["idempotent-replayed"] == "false"
+    assert [e.path_qs for e in upstream.executed] == ["/other//x"]  # byte for byte
 
 
 async def test_missing_tenant_is_401(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
