@@ -86,6 +86,7 @@ class Secret:
 # password; anything else named like a secret, to be safe).
 _SECRET_PARAMETER = re.compile(r"password|passwd|secret|token", re.IGNORECASE)
 _USERINFO_PASSWORD = re.compile(r"(//[^/@:]*:)[^/@]*@")
+_USERINFO_ANY = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:).*@")
 _KEY_VALUE_SECRET = re.compile(r"(\w*(?:password|passwd|secret|token)\w*)(\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)",
                                re.IGNORECASE)
 
@@ -103,6 +104,10 @@ class SecretURL(Secret):
             return _USERINFO_PASSWORD.sub(r"\1***@", self._value)
         if parts.password is not None:
             parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
+        elif "@" in self._value and _USERINFO_ANY.match(self._value):
+            # A password holding an unescaped / ? or # ends the URL's authority early for urllib (it then finds
+            # none): everything from the user's colon to the last @ is masked (more than needed, never less).
+            return _USERINFO_ANY.sub(r"\1***@", self._value)
         if parts.query:
             shown = []
             for item in parts.query.split("&"):
@@ -487,7 +492,7 @@ def _method(value: Any) -> str:
 
 def _http_url(value: Any) -> str:
     """An http(s) URL with a host (and a valid port, if any). Shown masked in errors: it may hold a password."""
-    text = _str(value)
+    text = _str(value).strip()  # a trailing newline from a secret or a file is not part of it
     shown = repr(SecretURL(text).masked())
     if any(ord(char) <= 0x20 or ord(char) == 0x7F for char in text):
         raise _Invalid(f"{shown} holds whitespace or a control character")
@@ -750,14 +755,16 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         prefix = overrides.pop("prefix", None)
         enabled_raw = overrides.pop("enabled", True)
         upstream_raw = overrides.pop("upstream", None)
-        if prefix is None:
+        if loader.failed(f"{path}.prefix"):  # an unset ${NAME}: that is its error
+            prefix = "/"
+        elif prefix is None:
             loader.error(f"{path}.prefix", "is required (a path starting with '/')")
             prefix = "/"
         elif not isinstance(prefix, str) or not prefix.startswith("/"):
             loader.error(f"{path}.prefix", f"{prefix!r} must be a path starting with '/'")
             prefix = "/"
         try:
-            enabled = _bool(enabled_raw)
+            enabled = True if loader.failed(f"{path}.enabled") else _bool(enabled_raw)
         except _Invalid as exc:
             loader.invalid(f"{path}.enabled", exc)
             enabled = True
@@ -789,7 +796,7 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
     if "postgres" in raw:
         postgres = loader.section(PostgresConfig, "storage.postgres", raw["postgres"] or {})
     on_error = "fail_closed"
-    if "on_store_error" in raw:
+    if "on_store_error" in raw and not loader.failed("storage.on_store_error"):
         try:
             on_error = _choice("fail_closed", "fail_open")(raw["on_store_error"])
         except _Invalid as exc:
@@ -833,7 +840,7 @@ def _encryption(loader: _Loader, raw: dict[str, Any]) -> EncryptionConfig | None
 
 def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[Any], T], default: T,
                path: str = "") -> T:
-    if key not in raw:
+    if key not in raw or loader.failed(path + key):  # (an unset ${NAME} there is already its error)
         return default
     try:
         return parse(raw[key])

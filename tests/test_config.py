@@ -12,6 +12,7 @@ import yaml
 from idemproxy.config import (
     AmbiguousPath,
     ConfigError,
+    SecretURL,
     advisories,
     dump_yaml,
     load_config,
@@ -306,6 +307,7 @@ def test_passwords_given_as_query_parameters_are_masked_too(tmp_path: Path) -> N
          "storage.postgres.dsn: 'host=db password=*** sslpassword=***' is not a postgresql:// DSN"),
         ({"upstream": {"url": "${UNSET_UPSTREAM}"}}, "upstream.url: environment variable UNSET_UPSTREAM is not set"),
         ({"upstream": {"url": "ftp://api:1"}}, "upstream.url: 'ftp://api:1' is not an http(s) URL with a host"),
+        ({"upstream": {"url": "http://u:pw#SECRET@api:1"}}, "upstream.url: 'http://u:***@api:1' is not a valid URL"),
     ],
 )
 def test_a_bad_url_is_one_error_naming_the_key_and_no_secret(raw: dict[str, Any], expected: str) -> None:
@@ -314,6 +316,31 @@ def test_a_bad_url_is_one_error_naming_the_key_and_no_secret(raw: dict[str, Any]
     errors = errors_of(raw)
     assert len(errors) == 1 and errors[0].startswith(expected), errors
     assert "SECRET" not in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [("postgresql://u:pw/SECRET@db/idem", "postgresql://u:***@db/idem"),
+     ("redis://u:pw?SECRET@cache:6379/0", "redis://u:***@cache:6379/0"),
+     ("postgresql://u:pw#SECRET@db:5432/idem", "postgresql://u:***@db:5432/idem"),
+     ("redis://cache:6379/0", "redis://cache:6379/0")],
+)
+def test_a_password_holding_url_delimiters_is_masked_too(url: str, shown: str) -> None:
+    """urllib ends the authority at an unescaped / ? or #, and then finds no password at all."""
+    assert SecretURL(url).masked() == shown
+
+
+def test_an_unset_variable_is_the_one_error_of_its_key() -> None:
+    errors = errors_of({"upstream": UP, "shutdown_timeout": "${NOPE1}", "storage": {"on_store_error": "${NOPE2}"},
+                        "routes": [{"prefix": "${NOPE3}"}, {"prefix": "/a", "enabled": "${NOPE4}"}]})
+    assert errors == [f"{path}: environment variable {name} is not set (use ${{{name}:-default}})" for path, name in (
+        ("shutdown_timeout", "NOPE1"), ("storage.on_store_error", "NOPE2"), ("routes[0].prefix", "NOPE3"),
+        ("routes[1].enabled", "NOPE4"))], errors
+
+
+def test_an_upstream_url_from_the_environment_may_end_in_a_newline() -> None:
+    config = load_config({"upstream": {"url": "${UP_URL}"}}, env={"UP_URL": "http://api:9000\n"})
+    assert config.upstream.url == "http://api:9000"
 
 
 def test_a_file_that_is_not_yaml_is_one_line_that_quotes_none_of_it(tmp_path: Path) -> None:
