@@ -85,8 +85,9 @@ class Secret:
 # Query parameters that carry a secret in a DSN or URL (libpq's and asyncpg's password and sslpassword, redis-py's
 # password; anything else named like a secret, to be safe).
 _SECRET_PARAMETER = re.compile(r"password|passwd|secret|token", re.IGNORECASE)
-_USERINFO_PASSWORD = re.compile(r"(//[^/@:]*:)[^/@]*@")
-_USERINFO_ANY = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:).*@")
+# user:password@ as written, whatever the password holds: from the user's colon to the last @ (more than needed,
+# never less), for what urllib cannot take apart.
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:).*@")
 _KEY_VALUE_SECRET = re.compile(r"(\w*(?:password|passwd|secret|token)\w*)(\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)",
                                re.IGNORECASE)
 
@@ -100,14 +101,14 @@ class SecretURL(Secret):
             return _KEY_VALUE_SECRET.sub(r"\1\2***", self._value)
         try:
             parts = original = urlsplit(self._value)
-        except ValueError:  # not a URL urllib can take apart (a bad IPv6 host): mask what looks like user:password@
-            return _USERINFO_PASSWORD.sub(r"\1***@", self._value)
+        except ValueError:  # not a URL urllib can take apart (a bad IPv6 host)
+            return _USERINFO.sub(r"\1***@", self._value)
         if parts.password is not None:
             parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
-        elif "@" in self._value and _USERINFO_ANY.match(self._value):
-            # A password holding an unescaped / ? or # ends the URL's authority early for urllib (it then finds
-            # none): everything from the user's colon to the last @ is masked (more than needed, never less).
-            return _USERINFO_ANY.sub(r"\1***@", self._value)
+        elif "@" in self._value and _USERINFO.match(self._value):
+            # A password holding an unescaped / ? or # ends the URL's authority early for urllib, which then finds
+            # none.
+            return _USERINFO.sub(r"\1***@", self._value)
         if parts.query:
             shown = []
             for item in parts.query.split("&"):
@@ -658,6 +659,9 @@ _SPECS: dict[type[Any], _Spec] = {
 }
 
 
+_NOTHING: Any = object()  # a parse that gave nothing (the error is noted): the field keeps its value
+
+
 class _Loader:
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = env
@@ -674,6 +678,17 @@ class _Loader:
 
     def invalid(self, path: str, exc: _Invalid) -> None:
         self.error(path + exc.where, str(exc))
+
+    def parse(self, path: str, parser: Callable[[Any], T], value: Any, default: T) -> T:
+        """``parser(value)``, or ``default`` with the error noted; ``default`` also when ``path`` already has its
+        error (an unset ``${NAME}``: that is the error, not the empty value it left)."""
+        if self.failed(path):
+            return default
+        try:
+            return parser(value)
+        except _Invalid as exc:
+            self.invalid(path, exc)
+            return default
 
     def substitute(self, path: str, value: Any) -> Any:
         """Expand ``${NAME}`` / ``${NAME:-default}`` in every string scalar."""
@@ -716,12 +731,9 @@ class _Loader:
             if parser is None:
                 self.error(key_path, f"unknown key (known: {', '.join((*also_known, *spec))})")
                 continue
-            if self.failed(key_path):  # its ${NAME} was not set: that is the error, not the empty value
-                continue
-            try:
-                changes["from_" if key == "from" else str(key)] = parser(value)
-            except _Invalid as exc:
-                self.invalid(key_path, exc)
+            parsed = self.parse(key_path, parser, value, _NOTHING)
+            if parsed is not _NOTHING:
+                changes["from_" if key == "from" else str(key)] = parsed
         return replace(cast(Any, result), **changes)  # type: ignore[no-any-return]
 
 
@@ -763,11 +775,7 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         elif not isinstance(prefix, str) or not prefix.startswith("/"):
             loader.error(f"{path}.prefix", f"{prefix!r} must be a path starting with '/'")
             prefix = "/"
-        try:
-            enabled = True if loader.failed(f"{path}.enabled") else _bool(enabled_raw)
-        except _Invalid as exc:
-            loader.invalid(f"{path}.enabled", exc)
-            enabled = True
+        enabled = loader.parse(f"{path}.enabled", _bool, enabled_raw, True)
         idem = loader.section(IdempotencyConfig, path, overrides, base=defaults, also_known=_ROUTE_OWN_KEYS)
         upstream = None
         if upstream_raw is not None:
@@ -795,12 +803,8 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
     postgres = None
     if "postgres" in raw:
         postgres = loader.section(PostgresConfig, "storage.postgres", raw["postgres"] or {})
-    on_error = "fail_closed"
-    if "on_store_error" in raw and not loader.failed("storage.on_store_error"):
-        try:
-            on_error = _choice("fail_closed", "fail_open")(raw["on_store_error"])
-        except _Invalid as exc:
-            loader.invalid("storage.on_store_error", exc)
+    on_error = loader.parse("storage.on_store_error", _choice("fail_closed", "fail_open"),
+                            raw.get("on_store_error", "fail_closed"), "fail_closed")
     return StorageConfig(
         embedded=loader.section(EmbeddedConfig, "storage.embedded", raw.get("embedded")),
         redis=redis,
@@ -840,13 +844,7 @@ def _encryption(loader: _Loader, raw: dict[str, Any]) -> EncryptionConfig | None
 
 def _top_value(loader: _Loader, raw: dict[str, Any], key: str, parse: Callable[[Any], T], default: T,
                path: str = "") -> T:
-    if key not in raw or loader.failed(path + key):  # (an unset ${NAME} there is already its error)
-        return default
-    try:
-        return parse(raw[key])
-    except _Invalid as exc:
-        loader.invalid(path + key, exc)
-        return default
+    return loader.parse(path + key, parse, raw[key], default) if key in raw else default
 
 
 def _policies(config: Config) -> list[tuple[str, IdempotencyConfig, str, UpstreamConfig]]:

@@ -405,17 +405,17 @@ class Engine:
     def _replay(self, record: Record, idem: IdempotencyConfig) -> web.Response:
         stored = record.response
         assert stored is not None
+        headers = CIMultiDict(stored.headers)
         if stored.body is None:
             problem = ResponseNotReplayable(
                 "The original response was too large to store; the request was executed once "
                 "and will not be executed again.",
                 original_status=stored.status,
             )
-            original = dict(stored.headers).get("Original-Request-Id")  # who executed it, as a replay says
+            original = headers.get("Original-Request-Id")  # who executed it, as a replay says
             if original is not None:
                 problem.headers["Original-Request-Id"] = original
             raise problem
-        headers = CIMultiDict(stored.headers)
         headers[idem.replay_header] = "true"
         return upstream_answer(stored.status, None, headers, stored.body)
 

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +40,8 @@ REQUEST_ID = web.RequestKey("request_id", str)
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)
 """True when the response being sent carries the upstream's own ``Server`` header (kept, not stripped)."""
 
+_R = TypeVar("_R", bound=web.StreamResponse)
+
 UNTYPED = web.ResponseKey("untyped", bool)
 """Set on an upstream's answer (live or replayed) that came without ``Content-Type``: aiohttp adds
 ``application/octet-stream`` to any body without one, and the app's response hook takes it off again."""
@@ -46,7 +49,11 @@ UNTYPED = web.ResponseKey("untyped", bool)
 
 def upstream_answer(status: int, reason: str | None, headers: CIMultiDict[str], body: bytes) -> web.Response:
     """A whole upstream answer (or a replay of one) as a response, its headers as they were."""
-    response = web.Response(status=status, reason=reason, headers=headers, body=body)
+    return _as_sent(web.Response(status=status, reason=reason, headers=headers, body=body), headers)
+
+
+def _as_sent(response: _R, headers: CIMultiDict[str]) -> _R:
+    """``response``, built from the upstream's ``headers``, marked UNTYPED when they had no Content-Type."""
     if "Content-Type" not in headers:
         response[UNTYPED] = True
     return response
@@ -311,9 +318,7 @@ async def stream_response(
     """Stream the upstream's answer to the client (``head``: bytes already read from it)."""
     headers = client_response_headers(upstream, extra_headers)
     request[UPSTREAM_SERVER] = "Server" in headers
-    response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
-    if "Content-Type" not in headers:
-        response[UNTYPED] = True
+    response = _as_sent(web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers), headers)
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
     await response.prepare(request)
