@@ -374,9 +374,13 @@ class _Invalid(Exception):
     """One bad value; the loader adds the key path. ``where`` is the part of the path below the key the parser
     was given (a list item's ``[2]``)."""
 
-    def __init__(self, message: str, where: str = "") -> None:
+    def __init__(self, message: str, where: str = "", also: tuple[_Invalid, ...] = ()) -> None:
         super().__init__(message)
         self.where = where
+        self.also = also  # the other bad items of the same list
+
+    def each(self) -> tuple[_Invalid, ...]:
+        return (self, *self.also)
 
 
 def parse_duration(value: Any) -> float:
@@ -472,12 +476,15 @@ def _list(item: Callable[[Any], T]) -> Callable[[Any], tuple[T, ...]]:
     def parse(value: Any) -> tuple[T, ...]:
         if not isinstance(value, list):
             raise _Invalid(f"{value!r} is not a list")
-        items = []
+        items: list[T] = []
+        bad: list[_Invalid] = []
         for index, value_ in enumerate(value):
             try:
                 items.append(item(value_))
-            except _Invalid as exc:
-                raise _Invalid(str(exc), f"[{index}]{exc.where}") from None
+            except _Invalid as exc:  # every bad item is named, not only the first
+                bad.extend(_Invalid(str(one), f"[{index}]{one.where}") for one in exc.each())
+        if bad:
+            raise _Invalid(str(bad[0]), bad[0].where, tuple(bad[1:]))
         return tuple(items)
 
     return parse
@@ -677,7 +684,8 @@ class _Loader:
         return any(failed == path or failed.startswith((f"{path}.", f"{path}[")) for failed in self._failed)
 
     def invalid(self, path: str, exc: _Invalid) -> None:
-        self.error(path + exc.where, str(exc))
+        for one in exc.each():
+            self.error(path + one.where, str(one))
 
     def parse(self, path: str, parser: Callable[[Any], T], value: Any, default: T) -> T:
         """``parser(value)``, or ``default`` with the error noted; ``default`` also when ``path`` already has its

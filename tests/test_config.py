@@ -561,3 +561,16 @@ def test_a_path_is_normalised_as_an_upstream_would(path: str, expected: str) -> 
     else:
         with pytest.raises(AmbiguousPath):
             config.route_for(path)
+
+
+def test_every_bad_item_of_a_list_is_named() -> None:
+    errors = errors_of({"upstream": UP, "idempotency": {"release_statuses": [408, "x", 99, 503],
+                                                        "methods": ["POST", "a b"]},
+                        "forwarded": {"trusted_proxies": ["10.0.0.0/8", "nope", "300.1.1.1"]}})
+    assert errors == [
+        "idempotency.release_statuses[1]: 'x' is not an integer",
+        "idempotency.release_statuses[2]: 99 is out of range (100..599)",
+        "idempotency.methods[1]: 'a b' is not a valid HTTP token",
+        "forwarded.trusted_proxies[1]: 'nope' is not an IP address or CIDR network",
+        "forwarded.trusted_proxies[2]: '300.1.1.1' is not an IP address or CIDR network",
+    ], errors
