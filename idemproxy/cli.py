@@ -134,7 +134,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if config.storage.postgres is None:
         print("idemproxy: storage.postgres is not configured; nothing to migrate", file=sys.stderr)
         return 1
-    from idemproxy.store.postgres import apply_migrations
+    from idemproxy.store.postgres import apply_migrations, attempts_log
+
+    # A one-shot command: PostgreSQL unreachable is its one error line, not a warning per attempt before it.
+    attempts_log.setLevel(logging.ERROR)
 
     async def run() -> None:
         assert config.storage.postgres is not None

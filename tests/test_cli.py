@@ -15,7 +15,7 @@ import asyncpg
 import pytest
 import yaml
 
-from idemproxy.store.postgres import MIGRATIONS, migrate
+from idemproxy.store.postgres import MIGRATIONS, migrate, server_of
 from tests.conftest import scratch_database
 from tests.proxyproc import ProxyProcess, wait_ready
 from tests.servers import free_port
@@ -88,6 +88,37 @@ def test_postgres_unreachable_at_start_is_a_clear_error(tmp_path: Path) -> None:
     assert last == (f"idemproxy: PostgreSQL at 127.0.0.1:{port} is not reachable after 5 attempts "
                      "(ConnectionRefusedError; check storage.postgres.dsn)"), result.stderr
     assert "hunter2" not in result.stderr
+
+
+def test_migrate_with_postgres_unreachable_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    port = free_port()
+    config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
+                                      "storage": {"postgres": {"dsn": f"postgresql://idem:hunter2@127.0.0.1:{port}/x"}}}))
+    result = run_cli("migrate", "--config", str(config))
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"idemproxy: PostgreSQL at 127.0.0.1:{port} is not reachable after 5 attempts "
+        "(ConnectionRefusedError; check storage.postgres.dsn)"], result.stderr
+
+
+@pytest.mark.parametrize(("dsn", "env", "named"), [
+    ("postgresql://u:pw@db.internal:6432/x", {}, "PostgreSQL at db.internal:6432"),
+    ("postgresql://u:pw@db.internal/x", {"PGPORT": "6543"}, "PostgreSQL at db.internal:6543"),
+    ("postgresql://u:pw@/x?host=db.internal&port=6544", {}, "PostgreSQL at db.internal:6544"),
+    ("postgresql:///x", {"PGHOST": "db.internal"}, "PostgreSQL at db.internal:5432"),
+    ("postgresql://u:pw@[::1]:6432/x", {}, "PostgreSQL at [::1]:6432"),
+    ("postgresql:///x?host=/var/run/postgresql", {}, "PostgreSQL"),
+    ("postgresql://u:pw@h1:5432,h2:5433/x", {}, "PostgreSQL"),
+])
+def test_an_unreachable_postgres_is_named_as_the_driver_reads_the_dsn(
+    dsn: str, env: dict[str, str], named: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("PGHOST", "PGPORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert server_of(dsn) == named
 
 
 async def test_workers_share_the_port_and_metrics_add_up(

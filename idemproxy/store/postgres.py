@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
@@ -21,6 +22,8 @@ from idemproxy.store.batch import Batcher, follow_up
 from idemproxy.store.codec import Codec
 
 log = logging.getLogger("idemproxy.store.postgres")
+# each failed attempt to reach the server at start (a one-shot command such as `migrate` keeps it quiet)
+attempts_log = logging.getLogger("idemproxy.store.postgres.connect")
 T = TypeVar("T")
 
 TABLE = "idemproxy_records"
@@ -546,15 +549,24 @@ async def _apply_layout(conn: Any, partitions: str, convert: bool) -> None:
 
 
 def server_of(dsn: str) -> str:
-    """``PostgreSQL at host:port`` as a DSN names it (never its user or password), for messages."""
+    """``PostgreSQL at host:port`` as the driver would read it (never the user or password), for messages.
+
+    As libpq and asyncpg do, a host or port the URL leaves out comes from its ``?host=`` / ``?port=`` options,
+    then from PGHOST / PGPORT; a unix socket, or several hosts, are named only as ``PostgreSQL``."""
     try:
         parts = urlsplit(dsn)
-        host, port = parts.hostname, parts.port
+        options = parse_qs(parts.query)
+        host: str | None = parts.hostname or _last(options.get("host")) or os.environ.get("PGHOST")
+        port: object = parts.port or _last(options.get("port")) or os.environ.get("PGPORT") or 5432
     except ValueError:
-        host, port = None, None
-    if not host:  # a unix socket or a host given in the query: the DSN's own words are not repeated
         return "PostgreSQL"
-    return f"PostgreSQL at {f'[{host}]' if ':' in host else host}:{port or 5432}"
+    if not host or host.startswith("/") or "," in host or "," in str(port):
+        return "PostgreSQL"
+    return f"PostgreSQL at {f'[{host}]' if ':' in host else host}:{port}"
+
+
+def _last(values: list[str] | None) -> str | None:
+    return values[-1] if values else None
 
 
 async def connect_with_retries(
@@ -568,7 +580,8 @@ async def connect_with_retries(
             if attempt == attempts:
                 raise StoreUnavailable(f"{what} is not reachable after {attempts} attempts "
                                        f"({type(exc).__name__}; check storage.postgres.dsn)") from exc
-            log.warning("%s not reachable (attempt %d/%d): %s", what, attempt, attempts, type(exc).__name__)
+            attempts_log.warning("%s not reachable (attempt %d/%d): %s", what, attempt, attempts,
+                                 type(exc).__name__)
             await asyncio.sleep(delay * attempt)
     raise AssertionError("unreachable")
 
