@@ -20,6 +20,10 @@ from idemproxy.store.base import Record, State, Store
 
 log = logging.getLogger("idemproxy.admin")
 
+# On every answer of the admin port. `idemproxy keys` sends its token only to a server whose /healthz carries it:
+# pointed at the proxy port by mistake, the token would reach the upstream, whose 2xx would pass for success.
+ADMIN_MARK = "Idemproxy-Admin"
+
 
 def _iso(epoch: float | None) -> str | None:
     return datetime.fromtimestamp(epoch, UTC).isoformat() if epoch is not None else None

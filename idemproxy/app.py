@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestHandler
 
-from idemproxy.admin import AdminAPI
+from idemproxy.admin import ADMIN_MARK, AdminAPI
 from idemproxy.config import Config, advisories, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
@@ -250,7 +250,7 @@ class Proxy:
     def admin_app(self) -> web.Application:
         app = web.Application(middlewares=[problem_middleware])
         app[PROXY] = self
-        app.on_response_prepare.append(_strip_server_banner_hook)
+        app.on_response_prepare.append(_admin_response_hook)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)
@@ -287,8 +287,11 @@ def _strip_server_banner(request: web.BaseRequest, response: web.StreamResponse)
         response.headers.popall("Server", None)
 
 
-async def _strip_server_banner_hook(request: web.BaseRequest, response: web.StreamResponse) -> None:
+async def _admin_response_hook(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Every answer of the admin port: no aiohttp banner, and the mark that tells ``idemproxy keys`` it found
+    the admin port."""
     _strip_server_banner(request, response)
+    response.headers[ADMIN_MARK] = "1"
 
 
 async def serve(config: Config, *, reuse_port: bool = False) -> None:

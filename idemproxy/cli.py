@@ -16,6 +16,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Coroutine, Sequence
+from email.message import Message
 from typing import Any, NoReturn
 
 from idemproxy import __version__
@@ -192,37 +193,57 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _admin_call(request: urllib.request.Request, admin_url: str) -> Any:
-    """One admin API call; every way it can fail becomes a one-line CLIError naming what to fix."""
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            body = response.read()
-    except urllib.error.HTTPError as exc:
-        raise CLIError(_admin_refusal(exc, admin_url)) from exc
-    except urllib.error.URLError as exc:
-        raise CLIError(f"admin API at {admin_url} not reachable ({exc.reason}); check --admin-url") from exc
-    except (OSError, http.client.HTTPException) as exc:
-        raise CLIError(f"admin API at {admin_url} broke off ({type(exc).__name__}); "
-                       "is that idemproxy's admin port?") from exc
+    """One admin API call; every way it can fail becomes a one-line CLIError naming what to fix. The token is
+    sent only once the address has shown itself to be idemproxy's admin port (``admin.ADMIN_MARK``): the proxy
+    port, given by mistake, would forward it upstream and pass the upstream's answer off as the admin API's."""
+    from idemproxy.admin import ADMIN_MARK
+
+    _, headers, _ = _fetch(urllib.request.Request(admin_url + "/healthz"), admin_url)
+    if headers.get(ADMIN_MARK) is None:
+        raise CLIError(f"{admin_url} is not idemproxy's admin port (its /healthz answer lacks the {ADMIN_MARK} "
+                       "header), so the token was not sent; check --admin-url (the proxy's admin.host:admin.port)")
+    status, _, body = _fetch(request, admin_url)
+    if status >= 300:
+        raise CLIError(_admin_refusal(status, body, admin_url))
     try:
         return json.loads(body)
     except ValueError as exc:
         raise CLIError(f"{admin_url} did not answer JSON; is that idemproxy's admin port?") from exc
 
 
-def _admin_refusal(exc: urllib.error.HTTPError, admin_url: str) -> str:
+def _fetch(request: urllib.request.Request, admin_url: str) -> tuple[int, Message[str, str], bytes]:
+    """Status, headers and body of one call (an error status is an answer too); no answer is a CLIError."""
     try:
-        problem = json.loads(exc.read() or b"")
-    except (ValueError, OSError):
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as exc:
+        try:
+            body = exc.read() or b""
+        except OSError:
+            body = b""
+        return exc.code, exc.headers, body
+    except urllib.error.URLError as exc:
+        raise CLIError(f"admin API at {admin_url} not reachable ({exc.reason}); check --admin-url") from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise CLIError(f"admin API at {admin_url} broke off ({type(exc).__name__}); "
+                       "is that idemproxy's admin port?") from exc
+
+
+def _admin_refusal(status: int, body: bytes, admin_url: str) -> str:
+    try:
+        problem = json.loads(body)
+    except ValueError:
         problem = None
+    reason = http.client.responses.get(status, "")
     if not isinstance(problem, dict):  # not one of the admin API's problem answers
-        if exc.code == 404:
+        if status == 404:
             return f"404: the admin API is off at {admin_url}: set admin.token in the proxy's config to turn it on"
-        return f"admin API at {admin_url} answered {exc.code} {exc.reason}"
-    if exc.code == 401:
+        return f"admin API at {admin_url} answered {status} {reason}".rstrip()
+    if status == 401:
         return "401: admin token refused: pass --token, or set admin.token or $IDEMPROXY_ADMIN_TOKEN"
     if problem.get("code") == "not_found":
         return "404: no record for this tenant and key (TENANT is the id the access log shows; or use --credential)"
-    return f"admin API answered {exc.code}: {problem.get('detail', exc.reason)}"
+    return f"admin API answered {status}: {problem.get('detail', reason)}"
 
 
 COMMANDS = {

@@ -204,6 +204,29 @@ async def test_keys_errors_are_one_line_and_exit_non_zero(
         assert "Traceback" not in result.stderr and result.stdout == ""
 
 
+async def test_keys_pointed_at_the_proxy_port_sends_no_token_and_says_so(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
+) -> None:
+    """The proxy port forwards /admin/keys/... to the upstream like any other path: the upstream's 2xx used to
+    pass for a successful release (nothing was released), and the admin token went upstream with it."""
+    proxy = proxy_process({"upstream": {"url": upstream.url}, "admin": {"token": "s3cret"}, "log": {"access": "off"},
+                           "storage": {"embedded": {"path": str(tmp_path / "p.sqlite3")}}})
+    await proxy.start()
+    for action in ("show", "release"):
+        result = await asyncio.to_thread(run_cli, "keys", action, "tenant-1", "key-1", "--admin-url", proxy.url,
+                                         "--token", "s3cret")
+        assert result.returncode == 1 and result.stdout == "", result
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"idemproxy: {proxy.url} is not idemproxy's admin port"), line
+        assert "the token was not sent" in line
+    assert not any("s3cret" in value for e in upstream.executed for value in e.headers.values())
+    assert upstream.count(path="/admin/keys/tenant-1/key-1") == 0
+    # the admin port itself is found, and the token works there
+    result = await asyncio.to_thread(run_cli, "keys", "show", "tenant-1", "key-1", "--admin-url", proxy.admin_url,
+                                     "--token", "s3cret")
+    assert result.returncode == 1 and "no record for this tenant and key" in result.stderr, result
+
+
 def test_gen_key_prints_a_key_the_config_accepts() -> None:
     import base64
 
