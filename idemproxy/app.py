@@ -84,6 +84,8 @@ class Proxy:
                                                ("embedded", storage.postgres is None)) if used}
         self._background: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
+        # set once the sweep at start has run (or failed): the store work of the start is over
+        self.first_sweep_done = asyncio.Event()
         self._shutdown_deadline: float | None = None  # monotonic; shutdown_timeout counted once, from the first step
 
     async def start(self) -> None:
@@ -177,15 +179,19 @@ class Proxy:
                 return total
 
     async def _sweep_forever(self) -> None:
+        """Sweep (and maintain partitions) once at start, so a restart neither waits an interval to drop a day
+        that expired while the proxy was down nor shows ``idemproxy_partitions`` at 0; then every interval."""
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL)
             try:
                 removed = await self.sweep_once()
             except StoreUnavailable:
                 log.warning("sweep skipped: store unavailable")
-                continue
-            if removed:
-                log.info("swept %d expired records", removed)
+            else:
+                if removed:
+                    log.info("swept %d expired records", removed)
+            finally:
+                self.first_sweep_done.set()
+            await asyncio.sleep(SWEEP_INTERVAL)
 
     def runner(self, **kwargs: Any) -> web.BaseRunner:
         """The proxy port's runner: ``setup()`` opens this Proxy (store, pools), ``cleanup()`` stops accepting,

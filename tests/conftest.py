@@ -198,6 +198,11 @@ class RunningProxy:
         assert self.server.port is not None
         return self.server.port
 
+    async def started_sweep(self) -> None:
+        """Wait for the sweep the proxy runs as it starts: a test counting store statements or round trips
+        counts its requests' only, not the sweep's too."""
+        await self.proxy.first_sweep_done.wait()
+
     async def post(self, path: str, *, key: str | None = None, tenant: str | None = "Bearer t1",
                    body: Any = None, headers: dict[str, str] | None = None,
                    method: str = "POST") -> tuple[aiohttp.ClientResponse, bytes]:

@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from idemproxy.app import Proxy
 from idemproxy.config import load_config
 from idemproxy.metrics import Metrics
 from idemproxy.store import State, StoredResponse
@@ -177,6 +178,30 @@ async def test_maintenance_drops_expired_days_whole_and_keeps_today(db: str) -> 
     finally:
         await conn.close()
         await backend.close()
+
+
+async def test_a_proxy_maintains_the_partitions_as_it_starts(db: str) -> None:
+    """A day that expired while no proxy ran is dropped at start, not an interval later, and the partitions
+    gauge reads the partitions standing from the start (it read 0 for the first 30 s of every replica)."""
+    backend = store_on(db)
+    await backend.open()  # the daily layout
+    await backend.close()
+    conn = await connect(db)
+    proxy = Proxy(load_config({"upstream": {"url": "http://127.0.0.1:1"}, "log": {"access": "off"},
+                               "storage": {"postgres": {"dsn": db, "pool_min": 1, "partitions": "daily"}}}))
+    try:
+        yesterday = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date - 1")
+        assert await create_partition(conn, yesterday)
+        await proxy.start()
+        deadline = asyncio.get_running_loop().time() + 10  # well inside SWEEP_INTERVAL (30 s)
+        while "idemproxy_partitions_dropped_total 1.0" not in (text := proxy.metrics.render().decode()):
+            assert asyncio.get_running_loop().time() < deadline, "the expired day was not dropped at start"
+            await asyncio.sleep(0.05)
+        assert f"idemproxy_partitions {PARTITION_DAYS_AHEAD + 1}.0" in text
+        assert partition(yesterday) not in await partitions(conn)
+    finally:
+        await proxy.stop()
+        await conn.close()
 
 
 async def test_a_drop_blocked_by_a_long_transaction_waits_for_the_next_pass(store: PostgresStore, db: str) -> None:
