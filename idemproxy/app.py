@@ -218,7 +218,13 @@ class Proxy:
         settings: dict[str, Any] = {**kwargs, "max_field_size": 16384, "auto_decompress": False}
         key_headers = frozenset(idem.header.lower() for idem in (
             self.config.idempotency, *(route.idempotency for route in self.config.routes)))
-        return _Server(self._serve, request_factory=request_factory, key_headers=key_headers, **settings)
+        return _Server(self._serve, request_factory=request_factory, key_headers=key_headers,
+                       on_bad_key=self._count_unreadable_key, **settings)
+
+    def _count_unreadable_key(self, request: web.BaseRequest) -> None:
+        """A key header the parser refused is an ``invalid_key`` like any other (route and method unknown:
+        ``other`` and aiohttp's ``UNKNOWN``)."""
+        self.metrics.per_request("other", request.method, "invalid_key").count()
 
     async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
         """The one handler of the proxy port: the request id, ``Expect``, the engine, problems rendered.
@@ -369,6 +375,7 @@ class _ProblemRequestHandler(RequestHandler):
     ERROR, for any client that sends one."""
 
     key_headers: frozenset[str] = frozenset()  # lower-case names of the idempotency key header (all routes)
+    on_bad_key: Callable[[web.BaseRequest], None] = staticmethod(lambda _request: None)  # counts the request
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -387,6 +394,7 @@ class _ProblemRequestHandler(RequestHandler):
             # was the key (never logged or echoed: the value may be a credential).
             quoted = (message or "").lower()
             if any(f"b'{name}:" in quoted for name in self.key_headers):
+                self.on_bad_key(request)
                 problem = InvalidKey("The idempotency key header could not be read (not printable ASCII, or too "
                                      "long); nothing was forwarded.")
             else:
@@ -405,13 +413,16 @@ class _ProblemRequestHandler(RequestHandler):
 class _Server(web.Server):
     """aiohttp's low-level server, with :class:`_ProblemRequestHandler` for each connection."""
 
-    def __init__(self, *args: Any, key_headers: frozenset[str], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, key_headers: frozenset[str], on_bad_key: Callable[[web.BaseRequest], None],
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.key_headers = key_headers
+        self.on_bad_key = on_bad_key
 
     def __call__(self) -> RequestHandler:
         handler = _ProblemRequestHandler(self, loop=self._loop, **self._kwargs)
         handler.key_headers = self.key_headers
+        handler.on_bad_key = self.on_bad_key
         return handler
 
 

@@ -236,6 +236,8 @@ async def test_a_request_the_parser_refuses_gets_a_problem_and_logs_nothing_of_i
     assert b"SECRET" not in resp.body and "SECRET" not in caplog.text and "ERROR" not in caplog.text
     assert "refused a request that is not valid HTTP/1.1" in caplog.text
     assert upstream.executed == []
+    counted = 'idemproxy_requests_total{method="UNKNOWN",outcome="invalid_key",route="other"} 1.0'
+    assert (counted in proxy.proxy.metrics.render().decode()) == (code == "invalid_key")
 
 
 async def test_repeated_key_header_is_400(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
