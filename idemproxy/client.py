@@ -93,6 +93,13 @@ class UpstreamResponse:
             parts.append(chunk)
         return b"".join(parts)
 
+    def no_deadline(self) -> None:
+        """The caller's deadline no longer bounds the rest of the body: each read waits ``read_timeout`` for the
+        upstream's next bytes, as a pass-through does (the body of a kept answer, once its record is settled,
+        streams as long as the upstream goes on sending)."""
+        if self._conn is not None:
+            self._conn.lift_deadline()
+
     def release(self) -> None:
         """Done with the answer: its connection is pooled again if it was read to the end, else closed."""
         conn, self._conn = self._conn, None
@@ -385,6 +392,9 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     # ---------------------------------------------------------------- waiting
+
+    def lift_deadline(self) -> None:
+        self._deadline = None
 
     def _past_deadline(self) -> bool:
         return self._deadline is not None and self.loop.time() >= self._deadline

@@ -512,6 +512,8 @@ class Engine:
         if refused is not None:
             upstream.release()
             return refused
+        if not complete:  # settled: the lease no longer bounds the rest of a body too large to keep
+            upstream.no_deadline()
         return _Forwarded(upstream=upstream, head=head, complete=complete)
 
     async def _settle_answer(

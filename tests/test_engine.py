@@ -454,6 +454,21 @@ async def test_response_too_large_to_store_is_never_re_executed(
     assert upstream.count(key="huge") == 1
 
 
+async def test_an_answer_too_large_to_store_streams_past_the_upstream_timeout_while_it_flows(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Once its record is settled, the rest of such an answer streams as a pass-through does: each read waits up
+    to upstream.timeout. It used to be cut at the forward's budget (upstream.timeout from the send), losing the
+    only copy of an executed answer: the record then says it completed, and a retry gets 502."""
+    proxy = await make_proxy(upstream={"timeout": "1s"}, idempotency={"max_stored_response": "4KiB"})
+    started = time.monotonic()
+    resp, body = await proxy.post("/v1/charges", key="trickle", body=CHARGE, headers={"X-Test-Trickle": "8,0.25"})
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    assert body == b"".join(bytes([65 + n]) * 2048 for n in range(8)), len(body)
+    assert time.monotonic() - started > 1.0  # longer than the upstream timeout in all
+    assert upstream.count(key="trickle") == 1
+
+
 @pytest.mark.parametrize("size", ["stored", "streamed"])
 async def test_an_upstreams_own_replay_header_gives_way_to_the_proxys(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, size: str

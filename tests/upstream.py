@@ -87,10 +87,27 @@ class RecordingUpstream:
             headers["Idempotent-Replayed"] = h["X-Test-Replayed"]
         if "X-Test-Size" in h:
             return web.Response(status=status, body=b"x" * int(h["X-Test-Size"]), headers=headers)
+        if "X-Test-Trickle" in h:  # "<chunks>,<seconds>": that many 2 KiB chunks, one every <seconds>
+            chunks, every = h["X-Test-Trickle"].split(",")
+            return await self.trickle(request, status, headers, int(chunks), float(every))
         payload = {"serial": serial, "method": request.method, "path": request.raw_path,
                    "body": body.decode(errors="replace")}
         return web.Response(status=status, text=json.dumps(payload), content_type="application/json",
                             headers=headers)
+
+    @staticmethod
+    async def trickle(request: web.Request, status: int, headers: dict[str, str], chunks: int,
+                      every: float) -> web.StreamResponse:
+        """An answer whose body keeps coming, slowly: each gap short, the whole longer than a timeout."""
+        response = web.StreamResponse(status=status, headers=headers)
+        response.content_length = chunks * 2048
+        await response.prepare(request)
+        for n in range(chunks):
+            if n:
+                await asyncio.sleep(every)
+            await response.write(bytes([65 + n % 26]) * 2048)
+        await response.write_eof()
+        return response
 
     async def upload(self, request: web.Request) -> web.Response:
         digest = hashlib.sha256()
