@@ -321,9 +321,9 @@ async def stream_response(
     response = _as_sent(web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers), headers)
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
-    await response.prepare(request)
     reading = False  # which side failed, if one does: the upstream's read or the client's write
     try:
+        await response.prepare(request)  # (a client gone before the head is written fails here)
         if head:
             await response.write(head)
         while True:

@@ -181,6 +181,9 @@ class ProxyTestServer(BaseTestServer):
         self.proxy = proxy
 
     async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
+        # aiohttp's test server cancels a handler whose client hung up; `serve` does not (aiohttp's default), so
+        # neither do these: a handler goes on after its client is gone, as in production.
+        kwargs.pop("handler_cancellation", None)
         return self.proxy.runner(**kwargs)
 
 

@@ -177,6 +177,30 @@ async def test_a_client_that_hangs_up_mid_response_is_not_logged_as_an_upstream_
     assert resp.status == 200
 
 
+@pytest.mark.parametrize("request_line", [
+    b"GET /big HTTP/1.1\r\nHost: proxy\r\nX-Test-Size: 200000\r\n",  # a streamed pass-through answer
+    b"HEAD /big HTTP/1.1\r\nHost: proxy\r\n",
+    b"POST /v1/charges HTTP/1.1\r\nHost: proxy\r\nX-Test-Size: 200000\r\nIdempotency-Key: gone\r\n"
+    b"Authorization: t\r\nContent-Length: 2\r\n",  # a covered answer too large to keep, streamed
+], ids=["get", "head", "covered"])
+async def test_a_client_gone_before_the_answer_starts_is_not_an_error(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture, request_line: bytes
+) -> None:
+    """Writing the head to a client that hung up failed outside the streaming loop's handling: an ERROR with a
+    traceback ('unhandled error while serving') for an everyday event."""
+    proxy = await make_proxy("embedded", idempotency={"max_stored_response": "4KiB"})
+    with caplog.at_level(logging.INFO):
+        _reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        body = b"{}" if request_line.startswith(b"POST") else b""
+        writer.write(request_line + b"X-Test-Delay: 0.3\r\n\r\n" + body)
+        await wait_for(lambda: len(upstream.executed) == 1)  # the upstream has it and answers in 0.3 s
+        writer.transport.abort()  # the client is gone before the answer's head
+        await wait_for(lambda: "client went away" in caplog.text or "unhandled error" in caplog.text)
+    assert "unhandled error" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    resp, _ = await proxy.post("/after", method="GET", tenant=None)  # the proxy carries on
+    assert resp.status == 200
+
+
 async def test_upstream_status_and_headers_are_passed_through(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
