@@ -144,7 +144,6 @@ async def test_concurrent_first_requests_share_statements_and_pipelines_and_exec
     proxy = await make_proxy(storage_section={"postgres": {"dsn": clean_pg, "pool_min": 1, "pool_max": 10},
                                               "redis": {"url": with_query(redis_url, options),
                                                         "key_prefix": redis_prefix}})
-    await proxy.started_sweep()  # its statements are not counted as the requests'
     store = proxy.proxy.store
     assert isinstance(store, RedisFrontedStore) and store._pipelines is not None
     assert (store._lean is None) == bool(options)

@@ -637,7 +637,6 @@ async def test_sweeper_counts_removed_records(
     one_table = {"postgres": {"dsn": await empty_records(pg_one_table_dsn), "partitions": "none"}}
     proxy = await make_proxy(storage_section=one_table, upstream={"timeout": "100ms"},
                              idempotency={"lease": "2100ms", "ttl": "2100ms"})
-    await proxy.started_sweep()  # the sweep at start is not this test's
     for key in ("sw1", "sw2"):
         await proxy.post("/v1/charges", key=key, body=CHARGE)
     tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
@@ -653,7 +652,6 @@ async def test_sweeper_drops_passed_days_of_the_daily_layout(make_proxy: ProxyFa
     from idemproxy.store.postgres import create_partition
 
     proxy = await make_proxy("postgres")
-    await proxy.started_sweep()  # the sweep at start is not this test's
     conn = await asyncpg.connect(clean_pg)
     try:
         yesterday = await conn.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date - 1")

@@ -96,7 +96,6 @@ async def test_redis_down_mid_run_costs_latency_never_correctness(
 ) -> None:
     # the in-process replay cache off: this test watches the Redis fast path itself come back
     proxy = await make_proxy(storage_section={**redis_section(running_redis, clean_pg), "replay_memory": 0})
-    await proxy.started_sweep()  # its statements are not counted as the requests'
     first, first_body = await proxy.post("/v1/charges", key="before", body=CHARGE)
     assert first.status == 201
 
@@ -193,7 +192,6 @@ async def test_round_trips_per_path(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str
 ) -> None:
     proxy = await make_proxy(storage_section=redis_section(running_redis, clean_pg))
-    await proxy.started_sweep()  # its statements are not counted as the requests'
     await proxy.post("/v1/charges", key="warm-up", body=CHARGE)  # scripts loaded, pool warm
 
     redis_before, pg_before = redis_round_trips(running_redis), durable(proxy).statements
@@ -215,7 +213,6 @@ async def test_round_trips_of_a_duplicate_in_flight(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str
 ) -> None:
     proxy = await make_proxy(storage_section=redis_section(running_redis, clean_pg))
-    await proxy.started_sweep()  # its statements are not counted as the requests'
     await proxy.post("/v1/charges", key="warm-up", body=CHARGE)
     first = asyncio.ensure_future(proxy.post("/v1/charges", key="dup", body=CHARGE, headers={"X-Test-Delay": "1.5"}))
     while upstream.count(key="dup") == 0:
@@ -231,7 +228,6 @@ async def test_round_trips_on_postgres_alone(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
 ) -> None:
     proxy = await make_proxy(storage_section=pg_section(clean_pg))
-    await proxy.started_sweep()  # its statements are not counted as the requests'
     await proxy.post("/v1/charges", key="warm-up", body=CHARGE)
     before = durable(proxy).statements
     await proxy.post("/v1/charges", key="pg-rt", body=CHARGE)

@@ -83,7 +83,6 @@ async def test_wait_mode_when_redis_lost_the_owners_lock_does_not_spin(
 ) -> None:
     proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix),
                              idempotency={"in_flight": "wait", "wait_timeout": "5s"})
-    await proxy.started_sweep()  # its statements are not counted as the requests'
     owner = asyncio.ensure_future(proxy.post("/v1/charges", key="spin", body=CHARGE,
                                              headers={"X-Test-Delay": "1.5"}))
     while upstream.count(key="spin") == 0:
@@ -245,7 +244,6 @@ async def test_a_hot_replay_needs_no_network(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, running_redis: RedisServer
 ) -> None:
     proxy = await make_proxy(storage_section=section(clean_pg, running_redis.url, "hot:"))
-    await proxy.started_sweep()  # its statements are not counted as the requests'
     await until_live(proxy)
     _, body = await proxy.post("/v1/charges", key="hot", body=CHARGE)
     # The first replay reads Redis and keeps a copy; the completion's own notification may still arrive and
