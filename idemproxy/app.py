@@ -24,7 +24,7 @@ from idemproxy.config import Config, advisories, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
 from idemproxy.problems import BadRequest, InvalidKey, Problem, StoreUnavailable, problem_middleware, render_problems
-from idemproxy.proxy import REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upstreams
+from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upstreams
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
 from idemproxy.tracing import build_tracer
@@ -232,13 +232,16 @@ class Proxy:
         A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
         """
         request[REQUEST_ID] = self._request_id(request)
-        if request.headers.get("Expect"):  # (an empty Expect names no expectation: as web.Application did)
-            refused = await _expect(request)
+        expecting = request.headers.get("Expect")  # (an empty one names no expectation: as web.Application did)
+        if expecting:
+            refused = _expect(request)
             if refused is not None:
                 return refused
         response = await render_problems(request, self.engine.handle)
         if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
             request[UPSTREAM_SERVER] = "Server" in response.headers
+            if expecting and request.get(CONTINUE):  # answered before the body it was to send: the connection
+                response.force_close()  # closes (a body sent anyway is read off by aiohttp before it does)
         return response
 
     def _request_id(self, request: web.BaseRequest) -> str:
@@ -451,16 +454,16 @@ class _ProxyRunner(web.BaseRunner):
             await self._proxy.stop()
 
 
-async def _expect(request: web.BaseRequest) -> web.Response | None:
-    """What ``web.Application`` did for ``Expect`` (RFC 9110 §10.1.1): "100-continue" is answered at once with
-    an interim 100, any other expectation with 417; HTTP/1.0 requests' ``Expect`` is ignored."""
+def _expect(request: web.BaseRequest) -> web.Response | None:
+    """``Expect`` (RFC 9110 §10.1.1): any expectation but "100-continue" gets 417; "100-continue" with a body to
+    come gets its interim 100 when the body is first read (``proxy.CONTINUE``), so a request refused before
+    that is answered without the upload; HTTP/1.0 requests' ``Expect`` is ignored."""
     if request.version != HttpVersion11:
         return None
     expect = request.headers.get("Expect", "")
     if expect.lower() != "100-continue":
         return BadRequest(f"Unknown expectation: {expect[:64]!r}; only 100-continue is supported.",
                           status=417).response()
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the interim answer is not part of the response's size
-    await request.writer.drain()
+    if request.body_exists and not request.content.is_eof():
+        request[CONTINUE] = True
     return None

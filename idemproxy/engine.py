@@ -58,6 +58,7 @@ from idemproxy.proxy import (
     Upstream,
     Upstreams,
     client_response_headers,
+    continue_body,
     filter_headers,
     read_at_most,
     request_target,
@@ -666,7 +667,8 @@ def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:
 
 
 async def read_body(request: web.BaseRequest, limit: int) -> bytes:
-    """The request body, refused with 413 past ``limit`` (checked before reading when declared)."""
+    """The request body, refused with 413 past ``limit`` (checked before reading when declared, and then before
+    an ``Expect: 100-continue`` is answered: the client is not asked for a body it would send in vain)."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
@@ -674,7 +676,9 @@ async def read_body(request: web.BaseRequest, limit: int) -> bytes:
         content = request.content
         if content.is_eof():  # the whole body came with the head: take it without read()'s loop and copy
             return content.read_nowait()
+        await continue_body(request)
         return await request.read()  # one call instead of an iterator that ends in StopAsyncIteration
+    await continue_body(request)
     parts: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_chunked(CHUNK):

@@ -40,6 +40,14 @@ REQUEST_ID = web.RequestKey("request_id", str)
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)
 """True when the response being sent carries the upstream's own ``Server`` header (kept, not stripped)."""
 
+CONTINUE = web.RequestKey("continue", bool)
+"""True while the request's ``Expect: 100-continue`` still waits for its interim 100. The 100 goes out when the
+body is first read (``continue_body``), as Go's net/http does, not as the head arrives: a request refused
+before its body is read (no key on a required route, a Content-Length over ``max_request_body``) gets its final
+answer without the client uploading a body that would be thrown away."""
+
+_CONTINUE_LINE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
 _R = TypeVar("_R", bound=web.StreamResponse)
 
 UNTYPED = web.ResponseKey("untyped", bool)
@@ -250,6 +258,8 @@ class Upstream:
         length = request.content_length
         body: bytes | AsyncIterator[bytes] | None = None
         if request.body_exists:
+            if not request.content.is_eof():  # (a body still to come may wait for its 100)
+                await continue_body(request)
             body = await request.read() if length is not None and length <= SMALL_BODY else _stream_body(request)
         upstream = await self.send(request, self.request_headers(request), body)
         try:
@@ -301,6 +311,15 @@ def _small_answer(request: web.BaseRequest, upstream: UpstreamResponse) -> bool:
     length = upstream.content_length
     return (length is not None and length <= SMALL_BODY and request.method != "HEAD"
             and upstream.status not in (204, 304))
+
+
+async def continue_body(request: web.BaseRequest) -> None:
+    """Before the body is read: the interim 100 the client waits for, if it waits for one (``CONTINUE``)."""
+    if request.get(CONTINUE):
+        request[CONTINUE] = False
+        await request.writer.write(_CONTINUE_LINE)
+        request.writer.output_size = 0  # the interim answer is not part of the response's size
+        await request.writer.drain()
 
 
 async def _stream_body(request: web.BaseRequest) -> AsyncIterator[bytes]:

@@ -269,6 +269,58 @@ async def test_expect_100_continue_gets_the_interim_answer_before_the_body_is_se
     assert [e.body for e in upstream.executed] == [body]
 
 
+async def _first_answer(port: int, head: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """Send a head that expects 100-continue, and no body; the first answer's status line, headers and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        status_line, _, block = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).partition(b"\r\n")
+        headers = dict(line.decode().split(": ", 1) for line in block.split(b"\r\n") if line)
+        body = await asyncio.wait_for(reader.readexactly(int(headers.get("Content-Length", "0"))), 10)
+    finally:
+        writer.close()  # (as curl does: an answer before the 100 means the body is not sent)
+    return status_line, headers, body
+
+
+@pytest.mark.parametrize(("head", "status", "code"), [
+    (b"POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big\r\nAuthorization: Bearer t1\r\n"
+     b"Content-Length: 2000000\r\n", 413, "body_too_large"),  # over max_request_body (1 MiB), by its length
+    (b"POST /v1/refunds HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t1\r\nContent-Length: 20\r\n",
+     400, "missing_key"),
+    (b"POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: anon\r\nContent-Length: 20\r\n",
+     401, "missing_tenant"),
+    (b"POST /v1/refunds HTTP/1.1\r\nHost: x\r\nIdempotency-Key: a\x7fb\r\nAuthorization: Bearer t1\r\n"
+     b"Content-Length: 20\r\n", 400, "invalid_key"),
+], ids=["too-large", "missing-key", "missing-tenant", "invalid-key"])
+async def test_a_request_refused_before_its_body_is_answered_without_asking_for_it(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, head: bytes, status: int, code: str
+) -> None:
+    """RFC 9110 §10.1.1: the 100 asks the client for its body; a request refused without it gets its final answer
+    instead (no upload of a body that would be thrown away), and ``Connection: close`` says the body is not
+    awaited."""
+    proxy = await make_proxy("embedded", routes=[{"prefix": "/v1/refunds", "required": True}])
+    status_line, headers, body = await _first_answer(proxy.port, head + b"Expect: 100-continue\r\n\r\n")
+    assert int(status_line.split()[1]) == status, status_line  # never the 100 first
+    # (the parser's own answer to a key it refused is HTTP/1.0, which closes without saying so)
+    assert headers.get("Connection") == "close" or status_line.startswith(b"HTTP/1.0 ")
+    assert json.loads(body)["code"] == code and upstream.executed == []
+    # A body that does come is still forwarded once the 100 asked for it: covered and passed through alike.
+    for method, key in (("POST", "exp-5"), ("PUT", None)):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        try:
+            writer.write(f"{method} /v1/charges HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t1\r\n"
+                         f"{f'Idempotency-Key: {key}' + chr(13) + chr(10) if key else ''}"
+                         "Expect: 100-continue\r\nContent-Length: 2\r\nConnection: close\r\n\r\n".encode())
+            await writer.drain()
+            assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(b"{}")
+            assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 20")
+        finally:
+            writer.close()
+    assert [(e.method, e.body) for e in upstream.executed] == [("POST", b"{}"), ("PUT", b"{}")]
+
+
 async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
