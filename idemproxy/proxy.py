@@ -84,7 +84,9 @@ class HeaderPolicy:
         return any(address in network for network in self.trusted_proxies)
 
 
-_HOST = ("host",)
+# Not sent upstream: Host (the upstream's own is set), and Expect, which the proxy answered itself (the 100 is
+# the proxy's, and the body goes upstream whole with the head, as Envoy does by default).
+_NOT_FORWARDED = ("host", "expect")
 _CONTENT_LENGTH = ("content-length",)
 
 
@@ -122,7 +124,7 @@ def upstream_request_headers(
     original request and pass through; from anyone else they could be forged, so this hop sets them.
     """
     client = request.headers
-    headers = filter_headers(client, drop=("host", *drop) if drop else _HOST)
+    headers = filter_headers(client, drop=(*_NOT_FORWARDED, *drop) if drop else _NOT_FORWARDED)
     remote = request.remote or ""
     forwarded_for = ", ".join([*client.getall("X-Forwarded-For", ()), remote])
     headers["X-Forwarded-For"] = forwarded_for.strip(", ")

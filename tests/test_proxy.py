@@ -319,6 +319,8 @@ async def test_a_request_refused_before_its_body_is_answered_without_asking_for_
         finally:
             writer.close()
     assert [(e.method, e.body) for e in upstream.executed] == [("POST", b"{}"), ("PUT", b"{}")]
+    # the proxy answered the expectation: the upstream gets the body with the head, and no Expect to answer
+    assert [e.headers.get("Expect") for e in upstream.executed] == [None, None]
 
 
 async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
