@@ -133,8 +133,9 @@ def upstream_request_headers(
         headers["X-Forwarded-Proto"] = request.scheme
     if not (trusted and "X-Forwarded-Host" in client):
         headers.popall("X-Forwarded-Host", None)
-        if request.host:
-            headers["X-Forwarded-Host"] = request.host
+        host = client.get("Host")  # (not request.host: without Host, aiohttp names the proxy's own address)
+        if host:
+            headers["X-Forwarded-Host"] = host
     request_id = request.get(REQUEST_ID)
     if request_id:
         headers[policy.request_id_header] = request_id

@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from idemproxy.app import new_request_id
 from tests.conftest import ProxyFactory, RunningProxy, recording_upstream
+from tests.rawhttp import raw_exchange
 from tests.upstream import RecordingUpstream
 
 CHARGE = {"amount": 1000, "currency": "eur"}
@@ -94,6 +95,10 @@ async def test_forwarded_headers_from_an_untrusted_peer_are_set_by_this_hop(
     assert seen["X-Forwarded-Proto"] == "http"
     assert seen.getall("X-Forwarded-Host") == [proxy.url.removeprefix("http://")]
     assert seen["X-Forwarded-For"] == "203.0.113.7, 127.0.0.1"
+    # HTTP/1.0 without Host names no host: none is sent on (the proxy's own address is not the client's host)
+    status, _, _ = await raw_exchange(proxy.port, "GET /h HTTP/1.0\r\nX-Forwarded-Host: pay.example\r\n\r\n")
+    assert status == 200
+    assert upstream.executed[1].headers.getall("X-Forwarded-Host", []) == []
 
 
 @pytest.mark.parametrize("covered", [False, True])
