@@ -186,6 +186,7 @@ class Engine:
         try:
             route = self.config.route_for(request.path)
         except AmbiguousPath:
+            self.metrics.per_request("other", request.method, BadRequest.outcome).count()  # (no route applies)
             raise BadRequest("The path names another route once its repeated slashes or dot segments are resolved; "
                              "send it resolved.") from None
         idem = route.idempotency if route is not None else self.config.idempotency
