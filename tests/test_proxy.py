@@ -306,21 +306,24 @@ async def test_a_request_refused_before_its_body_is_answered_without_asking_for_
     assert headers.get("Connection") == "close" or status_line.startswith(b"HTTP/1.0 ")
     assert json.loads(body)["code"] == code and upstream.executed == []
     # A body that does come is still forwarded once the 100 asked for it: covered and passed through alike.
-    for method, key in (("POST", "exp-5"), ("PUT", None)):
+    framings = {"Content-Length: 2": b"{}", "Transfer-Encoding: chunked": b"2\r\n{}\r\n0\r\n\r\n"}
+    length, chunked = framings
+    sent = [("POST", "exp-5", length), ("POST", "exp-6", chunked), ("PUT", None, length), ("PUT", None, chunked)]
+    for method, key, framing in sent:
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
         try:
             writer.write(f"{method} /v1/charges HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t1\r\n"
                          f"{f'Idempotency-Key: {key}' + chr(13) + chr(10) if key else ''}"
-                         "Expect: 100-continue\r\nContent-Length: 2\r\nConnection: close\r\n\r\n".encode())
+                         f"Expect: 100-continue\r\n{framing}\r\nConnection: close\r\n\r\n".encode())
             await writer.drain()
             assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
-            writer.write(b"{}")
+            writer.write(framings[framing])
             assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 20")
         finally:
             writer.close()
-    assert [(e.method, e.body) for e in upstream.executed] == [("POST", b"{}"), ("PUT", b"{}")]
+    assert [(e.method, e.body) for e in upstream.executed] == [(method, b"{}") for method, _, _ in sent]
     # the proxy answered the expectation: the upstream gets the body with the head, and no Expect to answer
-    assert [e.headers.get("Expect") for e in upstream.executed] == [None, None]
+    assert [e.headers.get("Expect") for e in upstream.executed] == [None] * len(sent)
 
 
 async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
