@@ -185,8 +185,9 @@ class Engine:
         started = time.perf_counter()
         try:
             route = self.config.route_for(request.path)
-        except AmbiguousPath:
-            self.metrics.per_request("other", request.method, BadRequest.outcome).count()  # (no route applies)
+        except AmbiguousPath:  # counted and logged as any refused request, under route "other" (none applies)
+            refused = _Exchange(upstream=self.upstreams.for_route(None), outcome=BadRequest.outcome, status=400)
+            self._observe(request, "other", refused, started)
             raise BadRequest("The path names another route once its repeated slashes or dot segments are resolved; "
                              "send it resolved.") from None
         idem = route.idempotency if route is not None else self.config.idempotency

@@ -169,8 +169,9 @@ async def test_a_path_that_reads_as_another_route_once_normalised_is_refused(
         resp = await send_raw(proxy.url, build_request(b"POST", target, [*headers, *extra], b"{}"))
         assert resp.status == 400 and json.loads(resp.body)["code"] == "bad_request"
     assert upstream.executed == []
-    counted = 'idemproxy_requests_total{method="POST",outcome="invalid_key",route="other"} 2.0'
-    assert counted in proxy.proxy.metrics.render().decode()  # answered, so counted (a 400's outcome)
+    text = proxy.proxy.metrics.render().decode()  # answered, so counted and timed (a 400's outcome)
+    assert 'idemproxy_requests_total{method="POST",outcome="invalid_key",route="other"} 2.0' in text
+    assert 'idemproxy_request_duration_seconds_count{outcome="invalid_key"} 2.0' in text
 
 
 async def test_a_path_with_one_reading_is_forwarded_as_sent(
