@@ -133,13 +133,28 @@ def upstream_request_headers(
         headers["X-Forwarded-Proto"] = request.scheme
     if not (trusted and "X-Forwarded-Host" in client):
         headers.popall("X-Forwarded-Host", None)
-        host = client.get("Host")  # (not request.host: without Host, aiohttp names the proxy's own address)
+        host = _requested_host(request)
         if host:
             headers["X-Forwarded-Host"] = host
     request_id = request.get(REQUEST_ID)
     if request_id:
         headers[policy.request_id_header] = request_id
     return headers
+
+
+def _requested_host(request: web.BaseRequest) -> str | None:
+    """The host the client asked for: an absolute-form target's authority (RFC 9112 §3.2.2: Host is then
+    ignored), else its Host header; never the address the request arrived on (aiohttp's ``request.host``
+    without Host), and None when the client named none."""
+    raw = request.raw_path
+    if raw.startswith("/"):
+        return request.headers.get("Host")
+    try:
+        url = URL(raw, encoded=True)
+    except ValueError:
+        return None
+    authority = url.raw_authority.rpartition("@")[2]  # without any userinfo
+    return authority or None
 
 
 def request_target(request: web.BaseRequest) -> str:

@@ -99,6 +99,13 @@ async def test_forwarded_headers_from_an_untrusted_peer_are_set_by_this_hop(
     status, _, _ = await raw_exchange(proxy.port, "GET /h HTTP/1.0\r\nX-Forwarded-Host: pay.example\r\n\r\n")
     assert status == 200
     assert upstream.executed[1].headers.getall("X-Forwarded-Host", []) == []
+    # an absolute-form target names the host, and Host is then ignored (RFC 9112 §3.2.2)
+    for head in ("GET http://abs.example:8443/a HTTP/1.1\r\nHost: hdr.example\r\nConnection: close\r\n\r\n",
+                 "GET http://u@abs.example/a HTTP/1.0\r\n\r\n"):
+        status, _, _ = await raw_exchange(proxy.port, head)
+        assert status == 200
+    assert [e.headers.getall("X-Forwarded-Host", []) for e in upstream.executed[2:]] == [
+        ["abs.example:8443"], ["abs.example"]]
 
 
 @pytest.mark.parametrize("covered", [False, True])
