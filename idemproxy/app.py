@@ -462,8 +462,11 @@ def _expect(request: web.BaseRequest) -> web.Response | None:
         return None
     expect = request.headers.get("Expect", "")
     if expect.lower() != "100-continue":
-        return BadRequest(f"Unknown expectation: {expect[:64]!r}; only 100-continue is supported.",
-                          status=417).response()
+        refused = BadRequest(f"Unknown expectation: {expect[:64]!r}; only 100-continue is supported.",
+                             status=417).response()
+        if request.body_exists:  # answered without reading its body: the client's retry must not be read as it
+            refused.force_close()
+        return refused
     if request.body_exists and not request.content.is_eof():
         request[CONTINUE] = True
     return None

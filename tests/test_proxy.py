@@ -338,6 +338,18 @@ async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
     assert json.loads(payload)["status"] == 417 and "200-ok" in json.loads(payload)["detail"]
     assert "X-Request-Id" in headers and "Server" not in headers
     assert upstream.executed == []
+    # Refused before its body came: the connection closes, so what the client sends next on it (its retry
+    # without the expectation, or bytes shaped as a request) is never read as that body, nor run.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /public HTTP/1.1\r\nHost: x\r\nExpect: x\r\nContent-Length: 5\r\n\r\n")
+        answer_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert answer_head.startswith(b"HTTP/1.1 417 ") and b"\r\nConnection: close\r\n" in answer_head
+        writer.write(b"AAAAAGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(reader.read(), 10)  # until the proxy closes
+    finally:
+        writer.close()
+    assert upstream.executed == []
     old = head.replace("HTTP/1.1", "HTTP/1.0", 1).replace("exp-2", "exp-3").replace("200-ok", "100-continue")
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
