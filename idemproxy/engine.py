@@ -35,8 +35,10 @@ from idemproxy.config import TENANT_MAX_BYTES, AmbiguousPath, Config, Idempotenc
 from idemproxy.fingerprint import Fingerprinter
 from idemproxy.metrics import Metrics, adder
 from idemproxy.problems import (
+    CLIENT_CLOSED,
     BadRequest,
     BodyTooLarge,
+    ClientGone,
     InFlight,
     InvalidKey,
     MissingKey,
@@ -203,8 +205,12 @@ class Engine:
             except Problem as problem:
                 exchange.outcome, exchange.status = problem.outcome, problem.status
                 raise
+            except ClientGone:
+                exchange.status = CLIENT_CLOSED
+                raise
             finally:
-                self._observe(request, route.prefix if route else "other", exchange, started)
+                if exchange.status != CLIENT_CLOSED:  # a request never received whole is not counted
+                    self._observe(request, route.prefix if route else "other", exchange, started)
                 if self.tracer.enabled:
                     _annotate(span, exchange)
 
@@ -670,22 +676,26 @@ def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:
 
 async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     """The request body, refused with 413 past ``limit`` (checked before reading when declared, and then before
-    an ``Expect: 100-continue`` is answered: the client is not asked for a body it would send in vain)."""
+    an ``Expect: 100-continue`` is answered: the client is not asked for a body it would send in vain). A client
+    gone before its body came whole is :class:`ClientGone`."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
-    if declared is not None and declared <= SMALL_BODY:  # (below aiohttp's client_max_size: read() takes it)
-        content = request.content
-        if content.is_eof():  # the whole body came with the head: take it without read()'s loop and copy
-            return content.read_nowait()
+    try:
+        if declared is not None and declared <= SMALL_BODY:  # (below aiohttp's client_max_size: read() takes it)
+            content = request.content
+            if content.is_eof():  # the whole body came with the head: take it without read()'s loop and copy
+                return content.read_nowait()
+            await continue_body(request)
+            return await request.read()  # one call instead of an iterator that ends in StopAsyncIteration
         await continue_body(request)
-        return await request.read()  # one call instead of an iterator that ends in StopAsyncIteration
-    await continue_body(request)
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_chunked(CHUNK):
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
-        parts.append(chunk)
-    return b"".join(parts)
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_chunked(CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
+            parts.append(chunk)
+        return b"".join(parts)
+    except ConnectionResetError as exc:  # (aiohttp's ClientConnectionResetError and "Connection lost" too)
+        raise ClientGone from exc

@@ -41,6 +41,14 @@ RETRY_AFTER_SECONDS = 1
 _TYPE_BASE = "urn:idemproxy:problem:"
 
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status the access log shows when nobody was left
+
+
+class ClientGone(Exception):
+    """The client went away (a reset, or its connection closed) before its request was read whole: nobody is
+    left to answer, and nothing was forwarded on its behalf (bodies are read before anything is sent)."""
+
+
 class Problem(Exception):
     """An error answered by the proxy itself."""
 
@@ -182,6 +190,10 @@ async def render_problems(
         return await handler(request)
     except Problem as problem:
         return problem.response()
+    except ClientGone as gone:  # its loss, nothing wrong here: one INFO line, no trace
+        log.info("client went away before %s %s was read whole (%s); nothing was forwarded, nothing counted",
+                 request.method, loggable_path(request), type(gone.__cause__).__name__)
+        return web.Response(status=CLIENT_CLOSED)  # (never written: no one is there to read it)
     except web.HTTPException:
         raise
     except Exception:

@@ -19,7 +19,7 @@ from yarl import URL
 
 from idemproxy.client import ConnectionPool, HeaderInjection, UpstreamConnectError, UpstreamResponse
 from idemproxy.config import Config, IPNetwork, RouteConfig, UpstreamConfig
-from idemproxy.problems import BadRequest, UpstreamReset, UpstreamTimeout, UpstreamUnreachable
+from idemproxy.problems import BadRequest, ClientGone, UpstreamReset, UpstreamTimeout, UpstreamUnreachable
 from idemproxy.tracing import Tracer
 
 log = logging.getLogger("idemproxy.proxy")
@@ -276,9 +276,12 @@ class Upstream:
         length = request.content_length
         body: bytes | AsyncIterator[bytes] | None = None
         if request.body_exists:
-            if not request.content.is_eof():  # (a body still to come may wait for its 100)
-                await continue_body(request)
-            body = await request.read() if length is not None and length <= SMALL_BODY else _stream_body(request)
+            try:
+                if not request.content.is_eof():  # (a body still to come may wait for its 100)
+                    await continue_body(request)
+                body = await request.read() if length is not None and length <= SMALL_BODY else _stream_body(request)
+            except ConnectionResetError as exc:  # (a streamed body that breaks later is the upstream's 502)
+                raise ClientGone from exc
         upstream = await self.send(request, self.request_headers(request), body)
         try:
             if _small_answer(request, upstream):

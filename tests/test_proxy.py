@@ -201,6 +201,39 @@ async def test_a_client_gone_before_the_answer_starts_is_not_an_error(
     assert resp.status == 200
 
 
+@pytest.mark.parametrize("head", [
+    b"POST /v1/charges HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: half\r\nAuthorization: t\r\n"
+    b"Content-Length: 10\r\n\r\n{\"a\"",  # covered, part of its body sent
+    b"PUT /v1/things HTTP/1.1\r\nHost: proxy\r\nContent-Length: 10\r\n\r\n{\"a\"",  # passed through
+    b"POST /v1/charges HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: exp\r\nAuthorization: t\r\n"
+    b"Expect: 100-continue\r\nContent-Length: 10\r\n\r\n",  # gone before the 100 is written
+], ids=["covered", "passthrough", "expecting"])
+@pytest.mark.parametrize("leaving", ["reset", "close"])
+async def test_a_client_gone_before_its_body_came_whole_is_not_an_error(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture, head: bytes,
+    leaving: str,
+) -> None:
+    """An everyday event (a client that timed out mid-upload) was an ERROR with a traceback, counted as a
+    request the proxy answered with 500 (as a passthrough on a covered route)."""
+    proxy = await make_proxy("embedded")
+    with caplog.at_level(logging.INFO):
+        _reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(head)
+        await writer.drain()
+        if leaving == "reset":
+            writer.transport.abort()
+        else:
+            writer.close()
+        await wait_for(lambda: "client went away" in caplog.text or "unhandled error" in caplog.text)
+    method, path = head.decode().split()[:2]
+    assert f"client went away before {method} {path} was read whole" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert upstream.executed == []
+    assert "idemproxy_requests_total{" not in proxy.proxy.metrics.render().decode()  # not a request answered
+    resp, _ = await proxy.post("/after", method="GET", tenant=None)  # the proxy carries on
+    assert resp.status == 200
+
+
 async def test_upstream_status_and_headers_are_passed_through(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
