@@ -35,7 +35,6 @@ from idemproxy.config import TENANT_MAX_BYTES, AmbiguousPath, Config, Idempotenc
 from idemproxy.fingerprint import Fingerprinter
 from idemproxy.metrics import Metrics, adder
 from idemproxy.problems import (
-    CLIENT_CLOSED,
     BadRequest,
     BodyTooLarge,
     ClientGone,
@@ -206,10 +205,10 @@ class Engine:
                 exchange.outcome, exchange.status = problem.outcome, problem.status
                 raise
             except ClientGone:
-                exchange.status = CLIENT_CLOSED
+                exchange.outcome = ""  # (no outcome: a request never received whole is not counted)
                 raise
             finally:
-                if exchange.status != CLIENT_CLOSED:  # a request never received whole is not counted
+                if exchange.outcome:
                     self._observe(request, route.prefix if route else "other", exchange, started)
                 if self.tracer.enabled:
                     _annotate(span, exchange)

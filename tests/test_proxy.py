@@ -230,8 +230,11 @@ async def test_a_client_gone_before_its_body_came_whole_is_not_an_error(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert upstream.executed == []
     assert "idemproxy_requests_total{" not in proxy.proxy.metrics.render().decode()  # not a request answered
-    resp, _ = await proxy.post("/after", method="GET", tenant=None)  # the proxy carries on
-    assert resp.status == 200
+    # the proxy carries on, and an upstream's own 499 is an answer like any other: counted
+    resp, _ = await proxy.post("/after", method="GET", tenant=None, headers={"X-Test-Status": "499"})
+    assert resp.status == 499
+    assert 'idemproxy_requests_total{method="GET",outcome="passthrough",route="other"} 1.0' in (
+        proxy.proxy.metrics.render().decode())
 
 
 async def test_upstream_status_and_headers_are_passed_through(
