@@ -149,12 +149,16 @@ def _requested_host(request: web.BaseRequest) -> str | None:
     raw = request.raw_path
     if raw.startswith("/"):
         return request.headers.get("Host")
-    try:
-        url = URL(raw, encoded=True)
-    except ValueError:
-        return None
-    authority = url.raw_authority.rpartition("@")[2]  # without any userinfo
+    authority = _target_url(raw).raw_authority.rpartition("@")[2]  # without any userinfo
     return authority or None
+
+
+def _target_url(raw: str) -> URL:
+    """A target that is not a path, read as a URL (empty when it is not one)."""
+    try:
+        return URL(raw, encoded=True)
+    except ValueError:
+        return URL()
 
 
 def request_target(request: web.BaseRequest) -> str:
@@ -163,10 +167,7 @@ def request_target(request: web.BaseRequest) -> str:
     raw = request.raw_path
     if raw.startswith("/"):
         return raw
-    try:
-        url = URL(raw, encoded=True)
-    except ValueError:
-        url = URL()
+    url = _target_url(raw)
     if not url.is_absolute() or not url.raw_path.startswith("/"):
         raise BadRequest("The request target must be a path (or an absolute URL).")
     return url.raw_path_qs
