@@ -240,8 +240,11 @@ class Proxy:
         response = await render_problems(request, self.engine.handle)
         if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
             request[UPSTREAM_SERVER] = "Server" in response.headers
-            if expecting and request.get(CONTINUE):  # answered before the body it was to send: the connection
-                response.force_close()  # closes (a body sent anyway is read off by aiohttp before it does)
+            # Answered before the body came whole (refused first, or found too large mid-stream), or before the
+            # body it was to send: the rest is not wanted, so the connection closes (as Go's net/http and nginx
+            # do; aiohttp reads off what still comes, within its lingering time, before it closes).
+            if not request.content.is_eof() or (expecting and request.get(CONTINUE)):
+                response.force_close()
         return response
 
     def _request_id(self, request: web.BaseRequest) -> str:

@@ -362,6 +362,44 @@ async def test_a_request_refused_before_its_body_is_answered_without_asking_for_
     assert [e.headers.get("Expect") for e in upstream.executed] == [None] * len(sent)
 
 
+@pytest.mark.parametrize(("head", "sent", "status"), [
+    # a chunked body found over max_request_body (1 KiB here) while it was being read
+    (b"POST /v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-1\r\nAuthorization: Bearer t1\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n", b"800\r\n" + b"a" * 0x800 + b"\r\n", 413),
+    # refused (no key on a required route) while most of its declared body is still to come
+    (b"POST /v1/refunds HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t1\r\nContent-Length: 100000\r\n\r\n",
+     b"a" * 100, 400),
+], ids=["chunked-over-the-limit", "refused-mid-body"])
+async def test_an_answer_given_before_the_body_came_whole_closes_the_connection(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, head: bytes, sent: bytes, status: int
+) -> None:
+    """The rest of the body is not wanted, so the answer says ``Connection: close`` (as Go's net/http and nginx
+    do): a client must not send its next request on a connection that still carries an unread body."""
+    proxy = await make_proxy("embedded", idempotency={"max_request_body": "1KiB"},
+                             routes=[{"prefix": "/v1/refunds", "required": True}])
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        writer.write(head + sent)
+        await writer.drain()
+        answer_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    finally:
+        writer.close()
+    assert answer_head.startswith(b"HTTP/1.1 %d " % status), answer_head
+    assert b"\r\nConnection: close\r\n" in answer_head
+    assert upstream.executed == []
+    # A refusal whose body did come whole keeps the connection: the next request on it is served.
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        writer.write(b"POST /v1/refunds HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t1\r\nContent-Length: 2\r\n\r\n{}"
+                     b"GET /public HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        both = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert both.startswith(b"HTTP/1.1 400 ") and b"\r\nConnection: close\r\n" not in both.split(b"\r\n\r\n")[0]
+    assert b"HTTP/1.1 200 " in both and [e.path_qs for e in upstream.executed] == ["/public"]
+
+
 async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
