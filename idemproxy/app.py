@@ -232,7 +232,7 @@ class Proxy:
         A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
         """
         request[REQUEST_ID] = self._request_id(request)
-        expecting = request.headers.get("Expect")  # (an empty one names no expectation: as web.Application did)
+        expecting = "Expect" in request.headers
         if expecting:
             refused = _expect(request)
             if refused is not None:
@@ -463,13 +463,15 @@ def _expect(request: web.BaseRequest) -> web.Response | None:
     that is answered without the upload; HTTP/1.0 requests' ``Expect`` is ignored."""
     if request.version != HttpVersion11:
         return None
-    expect = request.headers.get("Expect", "")
-    if expect.lower() != "100-continue":
-        refused = BadRequest(f"Unknown expectation: {expect[:64]!r}; only 100-continue is supported.",
+    # A list, in one header line or several; an empty member names no expectation (as web.Application read it).
+    members = [member.strip() for value in request.headers.getall("Expect") for member in value.split(",")]
+    unknown = [member for member in members if member and member.lower() != "100-continue"]
+    if unknown:
+        refused = BadRequest(f"Unknown expectation: {', '.join(unknown)[:64]!r}; only 100-continue is supported.",
                              status=417).response()
         if request.body_exists:  # answered without reading its body: the client's retry must not be read as it
             refused.force_close()
         return refused
-    if request.body_exists and not request.content.is_eof():
+    if any(members) and request.body_exists and not request.content.is_eof():
         request[CONTINUE] = True
     return None

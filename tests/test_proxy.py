@@ -436,6 +436,11 @@ async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
     empty = head.replace("Expect: 200-ok", "Expect: ").replace("exp-2", "exp-4")  # names no expectation at all
     status, _, _ = await raw_exchange(port, empty, b"{}")
     assert status == 201 and upstream.count() == 2
+    # Expect is a list (RFC 9110 §10.1.1): an unknown member is refused wherever it stands, in one line or two.
+    for expects in ("Expect: 100-continue\r\nExpect: 200-ok", "Expect: 100-continue, 200-ok"):
+        status, _, payload = await raw_exchange(port, head.replace("Expect: 200-ok", expects), b"{}")
+        assert status == 417 and "200-ok" in json.loads(payload)["detail"], expects
+    assert upstream.count() == 2
 
 
 async def test_an_escaped_line_break_in_the_path_cannot_forge_a_log_line(
