@@ -25,7 +25,7 @@ import contextlib
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import httptools
@@ -37,6 +37,9 @@ KEEPALIVE = 30.0  # an idle pooled connection older than this is closed rather t
 KEEPALIVE_MARGIN = 1.0  # below the upstream's own ``Keep-Alive: timeout=N``, so it never closes one as we send
 _ONE_WRITE = 64 * 1024  # a body up to this size goes out in the same write as the head
 _NO_BODY_STATUSES = frozenset({204, 304})
+
+Interim = Callable[[int, bytes, list[tuple[str, str]]], None]
+"""Given a 1xx answer as it comes: its status, its reason phrase's bytes and its headers."""
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # sent with Content-Length: 0 when they have no body
 
 
@@ -134,6 +137,7 @@ class _Connection(asyncio.Protocol):
         # the exchange in progress
         self._parser: httptools.HttpResponseParser | None = None
         self._head_only = False
+        self._interim: Interim | None = None  # who is given the exchange's 1xx answers (none: they are dropped)
         self._reason = b""
         self._headers: list[tuple[str, str]] = []
         self._response: UpstreamResponse | None = None
@@ -211,8 +215,12 @@ class _Connection(asyncio.Protocol):
         assert parser is not None
         status = parser.get_status_code()
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the final one follows
+            # (a 100 is this hop's: the proxy answers Expect; a 101 is refused below: the proxy sends no Upgrade)
+            if self._interim is not None and status != 100 and status != 101:
+                self._interim(status, self._reason, self._headers)
             self._wake()  # (and the wait for it starts again)
             return
+        self._interim = None  # (the final answer: nothing more to hand on, nor a request to hold on to)
         headers = CIMultiDict(self._headers)
         length_text = headers.get("Content-Length")
         length = int(length_text) if length_text is not None and length_text.isdigit() else None
@@ -254,15 +262,16 @@ class _Connection(asyncio.Protocol):
 
     async def exchange(
         self, method: str, head: bytes, body: bytes | AsyncIterator[bytes] | None, length: int | None,
-        read_timeout: float, deadline: float | None,
+        read_timeout: float, deadline: float | None, interim: Interim | None = None,
     ) -> UpstreamResponse:
         """Send the request and wait for the answer's head. ``length``: a streamed body's declared length (it
-        goes chunked when None)."""
+        goes chunked when None). ``interim`` is handed each 1xx answer but a 100 or 101, as it comes."""
         transport = self.transport
         assert transport is not None and not self._busy
         self._busy = True
         self._parser = httptools.HttpResponseParser(self)
         self._head_only = method == "HEAD"
+        self._interim = interim
         self._read_timeout = read_timeout
         self._deadline = deadline
         if body is None:
@@ -477,9 +486,10 @@ class ConnectionPool:
 
     async def request(
         self, method: str, target: str, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None,
-        timeout: float | None = None,
+        timeout: float | None = None, interim: Interim | None = None,
     ) -> UpstreamResponse:
         """Send one request (never retried) and return the answer's head; ``target`` is path and query.
+        ``interim`` is handed each 1xx answer but a 100 or 101 (status, reason as sent, headers), as it comes.
 
         ``timeout`` bounds the whole exchange, the body's reads included: spent before a byte was sent, it is an
         ``UpstreamConnectError`` (nothing sent); after, an ``UpstreamReadTimeout``.
@@ -488,7 +498,7 @@ class ConnectionPool:
         deadline = None if timeout is None else self.loop.time() + timeout
         conn = await self._acquire(deadline)
         try:
-            return await conn.exchange(method, head, body, length, self.read_timeout, deadline)
+            return await conn.exchange(method, head, body, length, self.read_timeout, deadline, interim)
         except BaseException:
             conn.abort()
             raise

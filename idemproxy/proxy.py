@@ -13,11 +13,11 @@ from types import TracebackType
 from typing import TypeVar
 
 import aiohttp
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from idemproxy.client import ConnectionPool, HeaderInjection, UpstreamConnectError, UpstreamResponse
+from idemproxy.client import ConnectionPool, HeaderInjection, Interim, UpstreamConnectError, UpstreamResponse
 from idemproxy.config import Config, IPNetwork, RouteConfig, UpstreamConfig
 from idemproxy.problems import BadRequest, ClientGone, UpstreamReset, UpstreamTimeout, UpstreamUnreachable
 from idemproxy.tracing import Tracer
@@ -258,15 +258,15 @@ class Upstream:
 
     async def send(
         self, request: web.BaseRequest, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None,
-        timeout: float | None = None,
+        timeout: float | None = None, interim: Interim | None = None,
     ) -> UpstreamResponse:
         """Send the request (never retried: RFC 9110 §9.2.2) and return the response head. ``timeout`` bounds
-        the exchange and the body's reads (``ConnectionPool.request``)."""
+        the exchange and the body's reads (``ConnectionPool.request``); ``interim`` is given its 1xx answers."""
         self.tracer.inject(headers)  # tracing on: the upstream continues the trace under the current span
         target = self.target(request)
         with upstream_errors():
             try:
-                return await self.pool.request(request.method, target, headers, body, timeout)
+                return await self.pool.request(request.method, target, headers, body, timeout, interim)
             except HeaderInjection as exc:  # refused before anything was sent
                 raise BadRequest("The request cannot be forwarded: a header holds a line break.") from exc
 
@@ -283,7 +283,8 @@ class Upstream:
                 body = await request.read() if length is not None and length <= SMALL_BODY else _stream_body(request)
             except ConnectionResetError as exc:  # (a streamed body that breaks later is the upstream's 502)
                 raise ClientGone from exc
-        upstream = await self.send(request, self.request_headers(request), body)
+        interim = _interim_relay(request) if request.version >= HttpVersion11 else None  # (none to HTTP/1.0)
+        upstream = await self.send(request, self.request_headers(request), body, interim=interim)
         try:
             if _small_answer(request, upstream):
                 with upstream_errors():  # nothing sent to the client yet: a broken body is a proper 502
@@ -326,6 +327,24 @@ class Upstreams:
     async def close(self) -> None:
         for upstream in reversed(self._pools.values()):
             await upstream.close()
+
+
+def _interim_relay(request: web.BaseRequest) -> Interim:
+    """Hands an upstream's 1xx answers (a 103 Early Hints, a 102) on to the client as they come, as RFC 9110
+    §15.2 asks of a proxy: hop-by-hop headers dropped, the rest byte for byte. Pass-through only: a covered
+    request's answer is stored before the client sees a byte of it."""
+
+    def relay(status: int, reason: bytes, headers: list[tuple[str, str]]) -> None:
+        transport = request.transport
+        if transport is None or transport.is_closing():  # (the client is gone: its final answer will find out)
+            return
+        kept = filter_headers(CIMultiDict(headers))
+        lines = [f"HTTP/1.1 {status} ".encode() + reason + b"\r\n"]
+        lines.extend(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape") for name, value in kept.items())
+        lines.append(b"\r\n")
+        transport.write(b"".join(lines))
+
+    return relay
 
 
 def _small_answer(request: web.BaseRequest, upstream: UpstreamResponse) -> bool:

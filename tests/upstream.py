@@ -12,6 +12,8 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-No-Server: 1        answer with no Server header at all (not even aiohttp's)
   X-Test-Replayed: value     answer with Idempotent-Replayed: value (an upstream with idempotency of its own)
   X-Test-No-Type: 1          answer with no Content-Type (aiohttp would add application/octet-stream)
+  X-Test-Interim: 1          send interim answers first: a 100 nobody asked for, then a 103 Early Hints
+                             (101: a 101 Switching Protocols instead)
 The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them;
 /stream/broken?size=N declares N bytes and hangs up halfway.
 """
@@ -69,6 +71,12 @@ class RecordingUpstream:
         self.executed.append(Executed(request.method, request.raw_path, CIMultiDict(request.headers),
                                       body, serial))
         h = request.headers
+        if h.get("X-Test-Interim") == "101":  # switching protocols nobody asked for
+            await request.writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n")
+        elif "X-Test-Interim" in h:  # (raw bytes: aiohttp's server has no API for 1xx answers)
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n"
+                                       b"Link: </caf\xc3\xa9.css>; rel=preload\r\nConnection: X-Hop\r\n"
+                                       b"X-Hop: 1\r\nKeep-Alive: timeout=5\r\n\r\n")
         if "X-Test-Delay" in h:
             await asyncio.sleep(float(h["X-Test-Delay"]))
         if "X-Test-Hang" in h:
