@@ -79,7 +79,11 @@ class AdminAPI:
         self._authorize(request)
         tenant, key = request.match_info["tenant"], request.match_info["key"]
         state = await self._state(tenant, key)
-        if state is None or not await self.store.forget(tenant, key):
+        # Forgotten even with no durable record left: the retry of a release that failed between its two Redis
+        # purges (the record deleted, the second purge refused) must still purge a copy that a read put back
+        # in Redis meanwhile, and announce the release, or that copy would answer for up to replay_cache_ttl.
+        forgotten = await self.store.forget(tenant, key)
+        if state is None or not forgotten:
             self._log("delete", tenant, key, found=False)
             raise RecordNotFound("No record for this tenant and key.")
         self._log("delete", tenant, key, found=True, state=state)

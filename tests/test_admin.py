@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, StorageFactory
 from tests.proxyproc import ProxyProcess
 from tests.upstream import RecordingUpstream
@@ -141,3 +142,25 @@ async def test_cli_mirrors_the_admin_api_and_logs_are_json_without_secrets(
     assert {"duration_ms", "upstream_ms", "route"} <= access.keys()
     actions = [line["admin_action"] for line in lines if "admin_action" in line]
     assert actions == ["show", "delete", "show"]
+
+
+async def test_a_release_with_no_durable_record_left_still_purges_redis(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, admin_for: Any
+) -> None:
+    """A release that failed between its two Redis purges (the durable record deleted, then Redis refused the
+    second purge: a 503 that says to retry) may leave a copy a concurrent read put back in Redis. The retry finds
+    no durable record, answers 404, and must still purge that copy, or it would answer for replay_cache_ttl."""
+    proxy = await make_proxy("redis", admin={"token": TOKEN})
+    resp, _ = await proxy.post("/v1/charges", key="half", body=CHARGE, tenant="Bearer alice")
+    assert resp.status == 201
+    again, _ = await proxy.post("/v1/charges", key="half", body=CHARGE, tenant="Bearer alice")
+    assert again.headers["Idempotent-Replayed"] == "true"  # (Redis holds its copy)
+    store = proxy.proxy.store
+    assert isinstance(store, RedisFrontedStore)
+    assert await store.durable.forget(ALICE, "half")  # the delete landed; the last purge did not
+    admin = await admin_for(proxy)
+    status, body = await admin.call("DELETE", ALICE, "half")
+    assert status == 404 and body["code"] == "not_found"
+    fresh, _ = await proxy.post("/v1/charges", key="half", body=CHARGE, tenant="Bearer alice")
+    assert fresh.status == 201 and fresh.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="half") == 2
