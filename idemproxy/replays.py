@@ -31,10 +31,20 @@ FENCES = 10_000  # recently invalidated keys remembered individually; older ones
 _Key = tuple[str, str]
 
 
+# What an entry holds besides its strings' and body's bytes, measured with tracemalloc on CPython 3.11: the
+# record and response objects, the entry's tuples, the body's and each string's object header and the ordered
+# dict's node (about 650 bytes, and up to 200 more of the dict's spare room), and per stored header its pair
+# and two strings (about 155). Counted, so that ``replay_memory`` bounds what the cache really holds, not only
+# its bodies (tests/test_replays.py).
+ENTRY_OVERHEAD = 850
+HEADER_OVERHEAD = 160
+
+
 def _size(record: Record) -> int:
     response = record.response
     assert response is not None and response.body is not None
-    return len(response.body) + sum(len(k) + len(v) for k, v in response.headers) + 200
+    return (len(response.body) + len(record.tenant) + len(record.key) + len(record.fingerprint) + ENTRY_OVERHEAD
+            + sum(len(k) + len(v) + HEADER_OVERHEAD for k, v in response.headers))
 
 
 class ReplayCache:

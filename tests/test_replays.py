@@ -1,0 +1,42 @@
+"""The in-process replay cache (``idemproxy.replays``) on its own: what its memory bound really bounds."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import pytest
+
+from idemproxy.replays import ReplayCache
+from idemproxy.store.base import Claim, Record, State, StoredResponse
+
+BUDGET = 1024 * 1024
+
+
+def _claim(n: int, key_length: int, body: bytes) -> Claim:
+    now = time.time()
+    headers = tuple((f"X-Header-{j}", f"value-{j}-{n}") for j in range(6))
+    record = Record(
+        tenant="t" * 64, key=f"{n}-".ljust(key_length, "k"), fingerprint="f" * 64, state=State.COMPLETED,
+        lease_token=None, lease_expires_at=None, response=StoredResponse(201, headers, body),
+        created_at=now, completed_at=now, expires_at=now + 3600,
+    )
+    return Claim(record=record, owned=False, now=now)
+
+
+@pytest.mark.parametrize(("key_length", "body_size"), [(16, 1), (255, 1), (1024, 1), (64, 2000)])
+def test_replay_memory_bounds_what_the_cache_holds(key_length: int, body_size: int) -> None:
+    """``storage.replay_memory`` is what the copies cost in memory (records, keys, headers, bookkeeping), not only
+    their bodies: a budget counted in body bytes alone held 6-9 times itself with small answers and long keys."""
+    cache = ReplayCache(BUDGET, lambda: True)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(BUDGET // 200):  # more than fit: the oldest make way
+            cache.put(_claim(n, key_length, b"x" * body_size), cache.begin())
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert cache.get("t" * 64, f"{BUDGET // 200 - 1}-".ljust(key_length, "k")) is not None  # the newest is kept
+    assert held <= BUDGET * 1.1, f"{held / BUDGET:.2f} times the budget"
+    assert held >= BUDGET * 0.5  # (and the budget is used, not wasted by counting too much)
