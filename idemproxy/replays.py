@@ -4,12 +4,16 @@ A completed record never changes until it expires or an operator releases it, so
 (and 422s) while:
 
 - its time is not up: an entry lives at most ``LIFETIME`` seconds, and never past the record's own expiry
-  minus a second (durations are taken from the store's clock at the read, then counted on this process's
-  monotonic clock, so clock skew between hosts does not matter);
+  minus a second (the time left is taken at the read from the store's clock: PostgreSQL's, or on the Redis
+  fast path the copy's PTTL, a duration; then counted on this process's monotonic clock, so clock skew
+  between hosts does not matter);
 - no release has been announced: every change notification the store delivers (Redis pub/sub, PostgreSQL
   LISTEN, or in-process for the embedded store) evicts the key, and a release on this replica evicts it at
-  once. While notifications are not flowing (Redis or LISTEN reconnecting) the cache is bypassed, and it is
-  emptied when they come back, since some may have been missed.
+  once. While notifications are not flowing (from the subscriber's first error, or after 2.5 s without a sign
+  of life from Redis or the LISTEN connection) the cache is bypassed, and it is emptied when they come back,
+  since some may have been missed.
+
+``max_bytes`` counts what an entry really holds (``_size``); the fences (at most ``FENCES`` keys) come on top.
 
 The race this guards against: a read of the record starts, a release is announced and processed, and only
 then does the read come back and want to be cached. Each key's last invalidation is stamped with a counter;

@@ -26,7 +26,7 @@ from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
 from tests.servers import PostgresServer, RedisServer
 from tests.test_concurrency import fire
-from tests.test_settle import via
+from tests.test_settle import until, via
 from tests.upstream import RecordingUpstream
 
 CHARGE = {"amount": 1000, "currency": "eur"}
@@ -309,6 +309,29 @@ async def test_connection_cut_or_stalled_is_503(
 
         await assert_503_then_recovers(proxy, f"net-{fault}", lift)
     assert upstream.count(key=f"net-{fault}") == 1
+
+
+async def test_a_stalled_listen_connection_stops_the_copies(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
+) -> None:
+    """PostgreSQL alone: a release reaches the other replicas by LISTEN. A link that stalls without an error (a
+    partition: no FIN, no RST) cannot deliver it, so the reader must stop answering from its copies within
+    the live window, not keep them for their whole 30 s (it counted as live while the socket stood)."""
+    parts = urlsplit(clean_pg)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        reader = await make_proxy(storage_section=pg_section(via(relay, clean_pg)))
+        releaser = await make_proxy(storage_section=pg_section(clean_pg))
+        await until(reader.proxy.store.notifications_live)
+        tenant = reader.proxy.engine.resolve_tenant_value("Bearer t1")
+        while reader.proxy.engine.replays.get(tenant, "listen") is None:  # executed, then kept by a replay
+            assert (await reader.post("/v1/charges", key="listen", body=CHARGE))[0].status == 201
+        relay.stall()
+        await until(lambda: not reader.proxy.store.notifications_live(), timeout=5)
+        assert await releaser.proxy.store.forget(tenant, "listen")  # announced where the reader cannot hear it
+        relay.restore()
+        fresh, _ = await reader.post("/v1/charges", key="listen", body=CHARGE)
+        assert fresh.status == 201 and fresh.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="listen") == 2
 
 
 async def test_statement_timeout_and_exhausted_pool_are_503(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from urllib.parse import urlsplit
@@ -12,6 +13,7 @@ import pytest
 import redis as sync_redis
 from aiohttp.test_utils import TestServer
 
+from idemproxy.store import redis as redis_store
 from idemproxy.store.base import State, StoredResponse
 from idemproxy.store.redis import BREAKER_COOLDOWN, RedisFrontedStore, _encode
 from tests.conftest import ProxyFactory, RunningProxy
@@ -282,28 +284,73 @@ async def test_a_release_on_another_replica_evicts_the_copy(
     assert upstream.count(key="shared") == 2
 
 
+@pytest.mark.parametrize(("fault", "within"), [("stall", 5.0), ("cut", 1.0)])
 async def test_without_live_notifications_the_copy_is_not_used(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
-    redis_relay: Relay,
+    redis_relay: Relay, fault: str, within: float,
 ) -> None:
-    """A reader whose link to Redis silently stalls cannot hear a release: it must stop answering from its copy."""
+    """A reader that cannot hear a release must stop answering from its copy. A stall (no error, no messages) is
+    told by the missing pongs, within the live window; a cut (an error) at once: it used to count as live for up
+    to 2.5 s more (1.5-2.5 s here), and redis-py could reconnect it and subscribe again without a word."""
     relayed = through(redis_relay, redis_url)
     reader = await make_proxy(storage_section=section(clean_pg, relayed, redis_prefix))
     releaser = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
     await until_live(reader)
-    await reader.post("/v1/charges", key="deaf", body=CHARGE)
+    await reader.post("/v1/charges", key=fault, body=CHARGE)
     tenant = reader.proxy.engine.resolve_tenant_value("Bearer t1")
-    await until_kept(reader, tenant, "deaf")
-    redis_relay.stall()  # no error, no messages: only the missing pongs tell
-    assert await releaser.proxy.store.forget(tenant, "deaf")
+    await until_kept(reader, tenant, fault)
+    getattr(redis_relay, fault)()
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
+    deadline = loop.time() + within
     while reader.proxy.store.notifications_live():
-        assert loop.time() < deadline, "a stalled subscriber still counted as live"
-        await asyncio.sleep(0.05)
-    fresh, _ = await reader.post("/v1/charges", key="deaf", body=CHARGE)
-    assert fresh.headers["Idempotent-Replayed"] == "false"
+        assert loop.time() < deadline, f"a subscriber whose link was {fault} still counted as live"
+        await asyncio.sleep(0.01)
+    assert await releaser.proxy.store.forget(tenant, fault)  # announced where the reader cannot hear it
+    fresh, _ = await reader.post("/v1/charges", key=fault, body=CHARGE)
+    assert fresh.status == 201 and fresh.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key=fault) == 2
     redis_relay.restore()
+
+
+class _FastClock:
+    """The ``time`` module as a host whose wall clock runs ``ahead`` seconds fast sees it."""
+
+    def __init__(self, ahead: float) -> None:
+        self.ahead = ahead
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+
+async def test_a_copy_in_memory_never_outlives_its_record_whatever_the_clocks_say(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replica that completed a record wrote its times on its own clock. A replica whose clock is behind
+    must not keep a copy past the record's TTL: the copy's time left comes from Redis's PTTL, a duration."""
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix),
+                             routes=[{"prefix": "/v1/short", "ttl": "3s"}])
+    await until_live(proxy)
+    started = time.monotonic()
+    with monkeypatch.context() as patched:
+        patched.setattr(redis_store, "time", _FastClock(10.0))  # the completing replica's clock: 10 s fast
+        first, _ = await proxy.post("/v1/short", key="skew", body=CHARGE)
+    assert first.status == 201
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    while proxy.proxy.engine.replays.get(tenant, "skew") is None:  # read back by a clock that is right
+        assert time.monotonic() - started < 1.5, "the replay was never kept in memory"
+        again, _ = await proxy.post("/v1/short", key="skew", body=CHARGE)
+        assert again.headers["Idempotent-Replayed"] == "true"
+    await asyncio.sleep(max(0.0, started + 3.5 - time.monotonic()))  # the record's 3 s TTL runs out
+    late, _ = await proxy.post("/v1/short", key="skew", body=CHARGE)
+    assert late.status == 201 and late.headers["Idempotent-Replayed"] == "false"  # expired: executed anew
+    assert upstream.count(key="skew") == 2
 
 
 async def until_kept(proxy: RunningProxy, tenant: str, key: str) -> None:

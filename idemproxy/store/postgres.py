@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -322,6 +323,8 @@ _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.Ti
 # The request's own data was refused (a value too long to index, say): permanent, so never "unavailable".
 _DATA_ERRORS = (asyncpg.DataError, asyncpg.ProgramLimitExceededError)  # on a claim: the key or tenant itself
 LISTEN_RETRY = 1.0  # seconds between attempts to re-establish LISTEN after its connection was lost
+LISTEN_PING = 1.0  # seconds between signs of life asked of the LISTEN connection (a SELECT 1), and its timeout
+LISTEN_LIVE_WINDOW = 2.5  # seconds without an answer on it after which notifications count as lost
 
 
 async def _no_reset(_conn: Any) -> None:
@@ -599,6 +602,7 @@ class PostgresStore(Store):
         self.listen = listen  # LISTEN/NOTIFY wakes `wait` mode when no Redis carries notifications
         self._pool: Any = None
         self._listener: Any = None
+        self._heard = float("-inf")  # when the LISTEN connection last answered (monotonic)
         self._listen_task: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self.statements = 0  # statements sent, for diagnostics and the round-trip budget tests
@@ -677,19 +681,35 @@ class PostgresStore(Store):
                 await asyncio.wait_for(self._closing.wait(), LISTEN_RETRY)
 
     async def _listen_on(self, conn: Any) -> None:
+        """Listen on ``conn`` until it is lost, stops answering, or the store closes. A link that fails without
+        an error (a partition: no FIN, no RST) is found by asking it for a sign of life every second; until one
+        comes within ``LISTEN_LIVE_WINDOW`` the notifications count as lost (``notifications_live``), as the
+        Redis subscriber's do."""
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _conn: lost.set())
         self._listener = conn
         try:
             await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+            self._heard = time.monotonic()
             self.watchers.notify_all()  # anything that changed while we were not listening
-            await _first(lost.wait(), self._closing.wait())
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_first(lost.wait(), self._closing.wait()), LISTEN_PING)
+                if lost.is_set() or self._closing.is_set():
+                    break
+                # Its answer also proves that notifications committed before it were delivered: a session
+                # gets them at the end of each of its transactions, before the answer.
+                await conn.fetchval("SELECT 1", timeout=LISTEN_PING)
+                self._heard = time.monotonic()
         except _DB_ERRORS as exc:
             log.warning("LISTEN failed (%s)", type(exc).__name__)
         finally:
+            self._heard = float("-inf")
             self._listener = None
-            with contextlib.suppress(*_DB_ERRORS):
+            try:
                 await asyncio.wait_for(conn.close(timeout=2), 3)
+            except _DB_ERRORS:
+                conn.terminate()  # (a stalled link does not answer a polite close)
         if not self._closing.is_set():
             log.warning("LISTEN connection lost; re-establishing it")
 
@@ -864,8 +884,10 @@ class PostgresStore(Store):
         return done
 
     def notifications_live(self) -> bool:
-        """With LISTEN (PostgreSQL alone), live while its connection stands."""
-        return self._listener is not None and not self._listener.is_closed()
+        """With LISTEN (PostgreSQL alone), live while its connection stands and answered lately."""
+        listener = self._listener
+        return (listener is not None and not listener.is_closed()
+                and time.monotonic() - self._heard < LISTEN_LIVE_WINDOW)
 
     async def sweep(self, limit: int) -> int:
         """One batch of expired rows deleted, by one replica at a time (a transaction-scoped advisory lock).

@@ -78,13 +78,13 @@ PIPELINES_IN_FLIGHT = 2  # pipelines on the wire at once; calls made meanwhile g
 # read as "unchanged": a writer that read one and finds none (or another) does not write.
 #
 # KEYS: lock, response, epoch. ARGV: "token fingerprint lease-end-ms", lock ttl ms, a fresh epoch, epoch ttl ms.
-# Returns {"completed", payload} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
+# Returns {"completed", payload, pttl} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
 # Idempotent: a client may send it again after a connection broke with the reply in flight (redis-py's cluster
 # client does so across a failover), and the lock it finds is then its own (the token is unique to this claim):
 # acquired, never a 409 against itself.
 _CLAIM = """
 local cached = redis.call('GET', KEYS[2])
-if cached then return {'completed', cached} end
+if cached then return {'completed', cached, redis.call('PTTL', KEYS[2])} end
 local epoch = redis.call('GET', KEYS[3])
 if not epoch then epoch = ARGV[3]; redis.call('SET', KEYS[3], epoch, 'PX', ARGV[4]) end
 local lock = redis.call('GET', KEYS[1])
@@ -137,6 +137,7 @@ class _Fast:
     kind: str  # completed | in_flight | acquired | foreign (a lock with another fingerprint: ask the durable store)
     record: Record | None = None
     epoch: str = UNKNOWN_EPOCH
+    now: float | None = None  # for a completed record: now, on the clock its times were written by
 
 
 class _FastStep:
@@ -301,17 +302,20 @@ class RedisFrontedStore(Store):
         await self.durable.close()
 
     async def _pubsub(self, attempt: int) -> tuple[Any, Any]:
-        """(client to close, pubsub): on a cluster, a plain connection to one node, the next one at each attempt
-        (a classic PUBLISH reaches every node); otherwise the store's own client."""
+        """(client to close, pubsub) on a client of the subscriber's own, with no retries: redis-py would
+        otherwise reconnect a lost subscription by itself (with backoff: seconds) and subscribe again without a
+        word, hiding the gap in which announcements were missed. Failing at once lets the subscriber count as deaf
+        from the first error and empty the cache when it is back. On a cluster, a plain connection to one node,
+        the next one at each attempt (a classic PUBLISH reaches every node)."""
+        options: dict[str, Any] = {"socket_timeout": SOCKET_TIMEOUT, "socket_connect_timeout": SOCKET_TIMEOUT,
+                                   "retry": Retry(NoBackoff(), 0)}
         if not self.config.cluster:
-            return None, self.redis.pubsub(ignore_subscribe_messages=True)
+            client = aioredis.Redis.from_url(self.config.url.reveal(), **options)
+            return client, client.pubsub(ignore_subscribe_messages=True)
         await self.redis.initialize()
         nodes = sorted(self.redis.get_nodes(), key=lambda node: node.name)
         node = nodes[attempt % len(nodes)]
-        # No retries of its own: redis-py would keep reconnecting to a lost node with backoff (seconds, deaf to
-        # close()); failing at once moves the subscriber to the next node.
-        client = aioredis.Redis(host=node.host, port=node.port, socket_timeout=SOCKET_TIMEOUT,
-                                socket_connect_timeout=SOCKET_TIMEOUT, retry=Retry(NoBackoff(), 0))
+        client = aioredis.Redis(host=node.host, port=node.port, **options)
         return client, client.pubsub(ignore_subscribe_messages=True)
 
     async def _subscribe(self) -> None:
@@ -321,7 +325,9 @@ class RedisFrontedStore(Store):
             client, pubsub = None, None
             try:
                 client, pubsub = await self._pubsub(attempt)
-                self._listening = self.redis if client is None else client
+                # (woken on close through a client that outlives it: on a cluster the node's own, since a publish
+                # through the cluster client can stall; otherwise the store's, closed after the subscriber ends)
+                self._listening = client if self.config.cluster else self.redis
                 await pubsub.subscribe(self.channel)
                 await pubsub.ping()  # its pong proves the subscription is in place
                 resumed = False
@@ -330,8 +336,11 @@ class RedisFrontedStore(Store):
                     if message is None:  # quiet: ask for a sign of life, or a silent cut would look live
                         await pubsub.ping()
                         continue
-                    self._heard = time.monotonic()
-                    if not resumed:  # messages sent while we were not subscribed were missed
+                    heard, last = time.monotonic(), self._heard
+                    self._heard = heard
+                    # Messages sent while we were not subscribed were missed; so were any in a silence long
+                    # enough to count as deaf (a gap no error told of).
+                    if not resumed or heard - last >= SUBSCRIBER_LIVE_WINDOW:
                         resumed = True
                         self.watchers.notify_all()
                     if message.get("type") == "message" and message["data"]:
@@ -341,11 +350,16 @@ class RedisFrontedStore(Store):
                 with contextlib.suppress(TimeoutError):  # back off, but wake at once on close
                     await asyncio.wait_for(self._closing.wait(), BREAKER_COOLDOWN)
             finally:
+                # Deaf from here until the next subscription hears Redis: a release announced meanwhile is
+                # missed, so copies of records must not answer (``notifications_live``) until the cache has been
+                # emptied on resuming.
+                self._heard = float("-inf")
                 self._listening = None
-                with contextlib.suppress(*self._errors):
-                    if pubsub is not None:
+                if pubsub is not None:
+                    with contextlib.suppress(*self._errors):
                         await pubsub.aclose()
-                    if client is not None:
+                if client is not None:  # (even when the pubsub's close failed: its pool's sockets go with it)
+                    with contextlib.suppress(*self._errors):
                         await client.aclose()
 
     # ------------------------------------------------------------------ plumbing
@@ -430,7 +444,14 @@ class RedisFrontedStore(Store):
                 )
                 kind = reply[0].decode()
                 if kind == "completed":  # written only after the durable store completed: authoritative
-                    return _Fast(kind, _decode(tenant, key, reply[1], self.codec))
+                    record = _decode(tenant, key, reply[1], self.codec)
+                    # "Now" on the clock the record's times were written by (the completing replica's), from
+                    # the time its copy has left on Redis's own (PTTL: a duration, immune to skew between
+                    # hosts). A copy of it kept in memory then never outlives it, whatever this host's clock
+                    # says. (The copy's time left is at most the record's.)
+                    left = int(reply[2]) if len(reply) > 2 else -1
+                    now = record.expires_at - left / 1000 if left >= 0 else time.time()
+                    return _Fast(kind, record, now=now)
                 if kind == "acquired":
                     return _Fast(kind, epoch=reply[1].decode())
                 _, lock_fp, *deadline = reply[1].decode().split(" ")
@@ -456,7 +477,7 @@ class RedisFrontedStore(Store):
         token = token or new_token()
         fast = await self._fast_claim(tenant, key, fingerprint, token, lease)
         if fast is not None and fast.record is not None:
-            return Claim(record=fast.record, owned=False, now=time.time())
+            return Claim(record=fast.record, owned=False, now=time.time() if fast.now is None else fast.now)
         # Redis granted the lock, could not answer, or named another fingerprint: the durable store decides
         # (guarantee 4).
         locked = fast is not None and fast.kind == "acquired"
