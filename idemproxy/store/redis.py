@@ -346,14 +346,17 @@ class RedisFrontedStore(Store):
                     if message.get("type") == "message" and message["data"]:
                         self.watchers.notify_message(message["data"].decode())
             except self._errors:
+                # Deaf from the first error until the next subscription hears Redis (not only after the back-off
+                # below): a release announced meanwhile is missed, so copies of records must not answer
+                # (``notifications_live``) until the cache has been emptied on resuming.
+                self._heard = float("-inf")
+                if self.metrics is not None:
+                    self.metrics.store_children("redis", "subscribe").error()
                 attempt += 1
                 with contextlib.suppress(TimeoutError):  # back off, but wake at once on close
                     await asyncio.wait_for(self._closing.wait(), BREAKER_COOLDOWN)
             finally:
-                # Deaf from here until the next subscription hears Redis: a release announced meanwhile is
-                # missed, so copies of records must not answer (``notifications_live``) until the cache has been
-                # emptied on resuming.
-                self._heard = float("-inf")
+                self._heard = float("-inf")  # (also when it ends otherwise: closing, cancelled)
                 self._listening = None
                 if pubsub is not None:
                     with contextlib.suppress(*self._errors):
