@@ -79,11 +79,13 @@ class AdminAPI:
         self._authorize(request)
         tenant, key = request.match_info["tenant"], request.match_info["key"]
         state = await self._state(tenant, key)
-        # Forgotten even with no durable record left: the retry of a release that failed between its two Redis
-        # purges (the record deleted, the second purge refused) must still purge a copy that a read put back
-        # in Redis meanwhile, and announce the release, or that copy would answer for up to replay_cache_ttl.
-        forgotten = await self.store.forget(tenant, key)
-        if state is None or not forgotten:
+        if state is None:
+            # No durable record, and none is deleted (one created since the read is not the operator's to
+            # delete under a 404). But the retry of a release that failed between its two Redis purges (the
+            # record deleted, the second purge refused) must still clear a copy that a read put back in Redis
+            # meanwhile, or that copy would answer for up to replay_cache_ttl.
+            await self.store.clear_copies(tenant, key)
+        if state is None or not await self.store.forget(tenant, key):
             self._log("delete", tenant, key, found=False)
             raise RecordNotFound("No record for this tenant and key.")
         self._log("delete", tenant, key, found=True, state=state)

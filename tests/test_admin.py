@@ -164,3 +164,31 @@ async def test_a_release_with_no_durable_record_left_still_purges_redis(
     fresh, _ = await proxy.post("/v1/charges", key="half", body=CHARGE, tenant="Bearer alice")
     assert fresh.status == 201 and fresh.headers["Idempotent-Replayed"] == "false"
     assert upstream.count(key="half") == 2
+    # What the 404 did clears copies only: a record created after the release read none is not deleted under it.
+    await store.clear_copies(ALICE, "half")
+    kept, _ = await proxy.post("/v1/charges", key="half", body=CHARGE, tenant="Bearer alice")
+    assert kept.headers["Idempotent-Replayed"] == "true" and upstream.count(key="half") == 2
+
+
+async def test_a_release_that_found_no_record_deletes_none_created_meanwhile(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, admin_for: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release reads the record, then deletes it. A request that lands in between must not lose its record
+    under a 404 that says nothing was found (its retry would execute again)."""
+    proxy = await make_proxy("redis", admin={"token": TOKEN})
+    store = proxy.proxy.store
+    read = store.get
+
+    async def read_then_a_request_lands(tenant: str, key: str) -> Any:
+        record = await read(tenant, key)
+        resp, _ = await proxy.post("/v1/charges", key="late", body=CHARGE, tenant="Bearer alice")
+        assert resp.status == 201
+        return record
+
+    admin = await admin_for(proxy)
+    monkeypatch.setattr(store, "get", read_then_a_request_lands)
+    status, _ = await admin.call("DELETE", ALICE, "late")
+    monkeypatch.undo()
+    assert status == 404
+    retry, _ = await proxy.post("/v1/charges", key="late", body=CHARGE, tenant="Bearer alice")
+    assert retry.headers["Idempotent-Replayed"] == "true" and upstream.count(key="late") == 1

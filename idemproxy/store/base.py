@@ -275,6 +275,12 @@ class Store(ABC):
     async def forget(self, tenant: str, key: str) -> bool:
         """Delete the record whatever its state (operator action); True when one existed."""
 
+    async def clear_copies(self, tenant: str, key: str) -> None:
+        """Drop every copy of the key's record that a cache in front of the durable store may hold, and touch
+        nothing durable (a release that found no record: a record created meanwhile is not the operator's to
+        delete). Here, this process's copies; a store with a shared cache clears that too."""
+        self.watchers.notify(tenant, key)
+
     @abstractmethod
     async def sweep(self, limit: int) -> int:
         """Delete up to ``limit`` expired records, never an IN_FLIGHT one whose lease is alive."""

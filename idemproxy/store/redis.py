@@ -567,6 +567,13 @@ class RedisFrontedStore(Store):
         await self._purge(tenant, key)
         return done
 
+    async def clear_copies(self, tenant: str, key: str) -> None:
+        """Purge Redis (renewing the epoch, announcing it to every replica), never the durable record: the retry
+        of a release that failed between its purges finds the record gone, and must still clear a copy that a
+        read put back in Redis meanwhile. Like ``forget``, it fails (503) while Redis cannot be reached."""
+        await self._purge(tenant, key)
+        self.watchers.notify(tenant, key)  # this process at once (the announcement reaches it too, later)
+
     async def _purge(self, tenant: str, key: str) -> None:
         call: _ScriptCall = (self._forget_script, self._keys(tenant, key),
                              [self.channel, self.watchers.message(tenant, key), new_token(), self._epoch_ms])
