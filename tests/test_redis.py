@@ -20,6 +20,7 @@ from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
 from tests.servers import RedisServer
 from tests.test_faults import durable, redis_round_trips
+from tests.test_settle import until
 from tests.upstream import RecordingUpstream
 
 CHARGE = {"amount": 1000, "currency": "eur"}
@@ -358,6 +359,30 @@ async def test_a_copy_in_memory_never_outlives_its_record_whatever_the_clocks_sa
     late, _ = await proxy.post("/v1/short", key="skew", body=CHARGE)
     assert late.status == 201 and late.headers["Idempotent-Replayed"] == "false"  # expired: executed anew
     assert upstream.count(key="skew") == 2
+
+
+async def test_a_waiter_ahead_of_the_owners_clock_does_not_spin(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, running_redis: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``in_flight: wait``: the lock names the lease's end on the owner's clock. A waiter whose clock is ahead of
+    it by more than the lease saw the lease as run out and claimed again every 10 ms until the owner was done;
+    the time the lock has left on Redis (PTTL) is what it waits by now."""
+    proxy = await make_proxy(storage_section=section(clean_pg, running_redis.url, "skewwait:"),
+                             idempotency={"in_flight": "wait", "wait_timeout": "10s"})
+    await until_live(proxy)
+    with monkeypatch.context() as patched:
+        patched.setattr(redis_store, "time", _FastClock(-70.0))  # the owner's clock: 70 s behind (lease 60 s)
+        owner = asyncio.ensure_future(proxy.post("/v1/charges", key="slow", body=CHARGE,
+                                                 headers={"X-Test-Delay": "1.5"}))
+        await until(lambda: upstream.count(key="slow") == 1)  # its lock is taken, on its clock
+    before = redis_round_trips(running_redis)
+    waiter, body = await proxy.post("/v1/charges", key="slow", body=CHARGE)
+    spent = redis_round_trips(running_redis) - before
+    first, first_body = await owner
+    assert first.status == 201 and waiter.headers["Idempotent-Replayed"] == "true" and body == first_body
+    assert spent < 20, f"{spent} Redis calls while one waiter waited 1.5 s"
+    assert upstream.count(key="slow") == 1
 
 
 async def until_kept(proxy: RunningProxy, tenant: str, key: str) -> None:

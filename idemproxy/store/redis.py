@@ -137,7 +137,7 @@ class _Fast:
     kind: str  # completed | in_flight | acquired | foreign (a lock with another fingerprint: ask the durable store)
     record: Record | None = None
     epoch: str = UNKNOWN_EPOCH
-    now: float | None = None  # for a completed record: now, on the clock its times were written by
+    now: float | None = None  # with a record: now, on the clock its times were written by
 
 
 class _FastStep:
@@ -463,14 +463,18 @@ class RedisFrontedStore(Store):
                     # the durable record may answer 422 (the lock holder may be a wrong payload about to be
                     # refused, while this request is the genuine retry of a completed record).
                     return _Fast("foreign", epoch=reply[3].decode())
-                now = time.time()
-                # the lease's end as its owner's replica counted it (the lock itself may expire sooner)
-                lease_end = int(deadline[0]) / 1000 if deadline else now + max(int(reply[2]), 0) / 1000
+                # The lease's end as its owner's replica counted it (the lock itself may expire sooner), and "now"
+                # on that same clock, from the time the lock has left on Redis's own (PTTL: a duration, immune to
+                # skew between hosts): a waiter whose clock is ahead of the owner's does not see a lease that is
+                # still alive as run out, and look again every 10 ms until the owner is done.
+                lock_left = max(int(reply[2]), 0) / 1000
+                lease_end = int(deadline[0]) / 1000 if deadline else time.time() + lock_left
+                now = lease_end - lock_left
                 return _Fast(kind, Record(
                     tenant=tenant, key=key, fingerprint=lock_fp, state=State.IN_FLIGHT,
                     lease_token=None, lease_expires_at=lease_end, response=None,
                     created_at=now, completed_at=None, expires_at=lease_end,
-                ))
+                ), now=now)
         return None
 
     async def claim(
