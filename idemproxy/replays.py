@@ -37,18 +37,24 @@ _Key = tuple[str, str]
 
 # What an entry holds besides its strings' and body's bytes, measured with tracemalloc on CPython 3.11: the
 # record and response objects, the entry's tuples, the body's and each string's object header and the ordered
-# dict's node (about 650 bytes, and up to 200 more of the dict's spare room), and per stored header its pair
-# and two strings (about 155). Counted, so that ``replay_memory`` bounds what the cache really holds, not only
-# its bodies (tests/test_replays.py).
-ENTRY_OVERHEAD = 850
+# dict's node (about 650 bytes, and up to 350 more: the dict's spare room, the allocator's rounding), and per
+# stored header its pair and two strings (about 155). Counted, so that ``replay_memory`` bounds what the cache
+# really holds, not only its bodies (tests/test_replays.py).
+ENTRY_OVERHEAD = 1000
 HEADER_OVERHEAD = 160
+
+
+def _held(text: str) -> int:
+    """Bytes a string's characters take: one each when ASCII, else up to four (CPython stores a string at the
+    width of its widest character; ``isascii`` is a flag read, not a scan)."""
+    return len(text) if text.isascii() else 4 * len(text)
 
 
 def _size(record: Record) -> int:
     response = record.response
     assert response is not None and response.body is not None
-    return (len(response.body) + len(record.tenant) + len(record.key) + len(record.fingerprint) + ENTRY_OVERHEAD
-            + sum(len(k) + len(v) + HEADER_OVERHEAD for k, v in response.headers))
+    return (len(response.body) + _held(record.tenant) + _held(record.key) + len(record.fingerprint)
+            + ENTRY_OVERHEAD + sum(_held(k) + _held(v) + HEADER_OVERHEAD for k, v in response.headers))
 
 
 class ReplayCache:
