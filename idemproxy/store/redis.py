@@ -466,10 +466,13 @@ class RedisFrontedStore(Store):
                 # The lease's end as its owner's replica counted it (the lock itself may expire sooner), and "now"
                 # on that same clock, from the time the lock has left on Redis's own (PTTL: a duration, immune to
                 # skew between hosts): a waiter whose clock is ahead of the owner's does not see a lease that is
-                # still alive as run out, and look again every 10 ms until the owner is done.
+                # still alive as run out, and look again every 10 ms until the owner is done. The lock lived
+                # min(lease, LOCK_MAX) from the claim, so the lease has what the lock has left plus the rest of
+                # the route's lease past LOCK_MAX (the same route, the same lease).
                 lock_left = max(int(reply[2]), 0) / 1000
+                lease_left = lock_left + max(lease - LOCK_MAX, 0.0)
                 lease_end = int(deadline[0]) / 1000 if deadline else time.time() + lock_left
-                now = lease_end - lock_left
+                now = lease_end - lease_left if deadline else lease_end - lock_left
                 return _Fast(kind, Record(
                     tenant=tenant, key=key, fingerprint=lock_fp, state=State.IN_FLIGHT,
                     lease_token=None, lease_expires_at=lease_end, response=None,
