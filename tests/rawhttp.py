@@ -26,16 +26,20 @@ def build_request(method: bytes, target: bytes, headers: list[tuple[bytes, bytes
 
 async def send_raw(url: str, request: bytes, timeout: float = 30.0) -> RawResponse:
     """Send ``request`` as is on a new connection and read the answer until the server closes it."""
+    return parse_response(await send_raw_bytes(url, request, timeout))
+
+
+async def send_raw_bytes(url: str, request: bytes, timeout: float = 30.0) -> bytes:
+    """:func:`send_raw`, the bytes unparsed (every answer, interim ones too, as they came)."""
     parts = urlsplit(url)
     assert parts.hostname is not None and parts.port is not None
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     try:
         writer.write(request)
         await writer.drain()
-        data = await asyncio.wait_for(reader.read(), timeout)
+        return await asyncio.wait_for(reader.read(), timeout)
     finally:
         writer.close()
-    return parse_response(data)
 
 
 def parse_response(data: bytes) -> RawResponse:

@@ -12,7 +12,7 @@ import pytest
 from yarl import URL
 
 from tests.conftest import ProxyFactory
-from tests.rawhttp import build_request, raw_exchange, send_raw
+from tests.rawhttp import build_request, raw_exchange, send_raw, send_raw_bytes
 from tests.servers import free_port
 from tests.test_relay import wait_for
 from tests.upstream import RecordingUpstream
@@ -400,17 +400,6 @@ async def test_an_answer_given_before_the_body_came_whole_closes_the_connection(
     assert b"HTTP/1.1 200 " in both and [e.path_qs for e in upstream.executed] == ["/public"]
 
 
-async def _read_all(port: int, request: bytes) -> bytes:
-    """Send ``request`` as is and read every byte until the proxy closes."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(request)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(), 10)
-    finally:
-        writer.close()
-
-
 async def test_interim_answers_are_forwarded_on_pass_through_only(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
@@ -420,19 +409,20 @@ async def test_interim_answers_are_forwarded_on_pass_through_only(
     proxy = await make_proxy("embedded")
     hints = b"HTTP/1.1 103 Early Hints\r\nLink: </caf\xc3\xa9.css>; rel=preload\r\n\r\n"  # (hop-by-hop dropped)
     for head in (b"GET /hinted HTTP/1.1\r\n", b"POST /hinted HTTP/1.1\r\nContent-Length: 2\r\n"):
-        passed = await _read_all(proxy.port, head + b"Host: x\r\nX-Test-Interim: 1\r\nConnection: close\r\n\r\n"
-                                 + (b"{}" if head.startswith(b"POST") else b""))
+        body = b"{}" if head.startswith(b"POST") else b""
+        rest = b"Host: x\r\nX-Test-Interim: 1\r\nConnection: close\r\n\r\n" + body
+        passed = await send_raw_bytes(proxy.url, head + rest)
         assert passed.startswith(hints + b"HTTP/1.1 20"), passed
         assert passed.count(b"HTTP/1.1 ") == 2
-    covered = await _read_all(proxy.port, b"POST /hinted HTTP/1.1\r\nHost: x\r\nX-Test-Interim: 1\r\n"
-                                          b"Idempotency-Key: hint-1\r\nAuthorization: Bearer t1\r\n"
-                                          b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+    covered = await send_raw_bytes(proxy.url, b"POST /hinted HTTP/1.1\r\nHost: x\r\nX-Test-Interim: 1\r\n"
+                                              b"Idempotency-Key: hint-1\r\nAuthorization: Bearer t1\r\n"
+                                              b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
     assert covered.startswith(b"HTTP/1.1 201 ") and covered.count(b"HTTP/1.1 ") == 1, covered
-    old = await _read_all(proxy.port, b"GET /hinted HTTP/1.0\r\nHost: x\r\nX-Test-Interim: 1\r\n\r\n")
+    old = await send_raw_bytes(proxy.url, b"GET /hinted HTTP/1.0\r\nHost: x\r\nX-Test-Interim: 1\r\n\r\n")
     assert old.startswith(b"HTTP/1.0 200 OK\r\n") and b" 103 " not in old, old
     # A 101 is no interim answer here (the proxy sent no Upgrade): the answer is broken, and the client gets a 502.
-    switched = await _read_all(proxy.port, b"GET /hinted HTTP/1.1\r\nHost: x\r\nX-Test-Interim: 101\r\n"
-                                           b"Connection: close\r\n\r\n")
+    switched = await send_raw_bytes(proxy.url, b"GET /hinted HTTP/1.1\r\nHost: x\r\nX-Test-Interim: 101\r\n"
+                                               b"Connection: close\r\n\r\n")
     assert switched.startswith(b"HTTP/1.1 502 ") and b" 101 " not in switched, switched
     assert upstream.count(path="/hinted") == 5
 
