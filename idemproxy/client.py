@@ -36,6 +36,7 @@ HIGH_WATER = 256 * 1024  # answer bytes buffered before reading from the socket 
 KEEPALIVE = 30.0  # an idle pooled connection older than this is closed rather than reused (aiohttp: after 15-30 s)
 KEEPALIVE_MARGIN = 1.0  # below the upstream's own ``Keep-Alive: timeout=N``, so it never closes one as we send
 _ONE_WRITE = 64 * 1024  # a body up to this size goes out in the same write as the head
+MAX_HEAD = 64 * 1024  # an answer's status line and header section, in bytes (Envoy's default is 60 KiB)
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 Interim = Callable[[int, bytes, list[tuple[str, str]]], None]
@@ -53,6 +54,16 @@ class UpstreamDisconnected(ConnectionError):
 
 class UpstreamProtocolError(ConnectionError):
     """The upstream's answer was not valid HTTP/1.1."""
+
+
+class UpstreamHeadTooLarge(UpstreamProtocolError):
+    """The upstream's answer has a status line and headers larger than ``MAX_HEAD``: they are not read on, nor
+    kept, nor relayed. ``status`` is the final answer's status (0 when the head that overflowed was a 1xx answer's,
+    or its status line was never whole)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"The upstream's answer has a header section larger than {MAX_HEAD // 1024} KiB.")
+        self.status = status if status >= 200 else 0
 
 
 class UpstreamReadTimeout(TimeoutError):
@@ -140,6 +151,8 @@ class _Connection(asyncio.Protocol):
         self._interim: Interim | None = None  # who is given the exchange's 1xx answers (none: they are dropped)
         self._reason = b""
         self._headers: list[tuple[str, str]] = []
+        self._head_size = 0  # bytes of the answer's head so far (a 1xx answer's head counts on its own)
+        self._unanswered = 0  # bytes received before the final answer's head was whole
         self._response: UpstreamResponse | None = None
         self._body: deque[bytes] = deque()
         self._buffered = 0
@@ -164,10 +177,20 @@ class _Connection(asyncio.Protocol):
             return
         try:
             parser.feed_data(data)
+            if self._response is None:
+                # A header line reaches on_header only once it is whole (httptools buffers it meanwhile): a line
+                # that never ends is bounded here, by every byte that came before the final answer's head did.
+                self._unanswered += len(data)
+                if self._unanswered > 2 * MAX_HEAD:  # (room for 1xx answers, each within MAX_HEAD)
+                    raise UpstreamHeadTooLarge(parser.get_status_code())
+        except UpstreamHeadTooLarge as exc:
+            self._fail(exc)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamProtocolError("The upstream switched protocols, which a proxied request cannot."))
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamProtocolError(f"The upstream's answer is not valid HTTP/1.1: {exc!r}"))
+            raised = exc.__context__  # (what one of our callbacks raised, if it was one: on_header's count)
+            self._fail(raised if isinstance(raised, UpstreamHeadTooLarge)
+                       else UpstreamProtocolError(f"The upstream's answer is not valid HTTP/1.1: {exc!r}"))
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows
@@ -203,12 +226,23 @@ class _Connection(asyncio.Protocol):
             raise UpstreamProtocolError("The upstream sent a second answer to one request.")
         self._headers = []
         self._reason = b""
+        self._head_size = 0
 
     def on_status(self, status: bytes) -> None:
         self._reason += status
+        self._head_size += len(status)
+        if self._head_size > MAX_HEAD:
+            self._head_too_large()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4  # (inline: a call per header is a cost on every answer)
+        if self._head_size > MAX_HEAD:
+            self._head_too_large()
         self._headers.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+
+    def _head_too_large(self) -> None:
+        assert self._parser is not None
+        raise UpstreamHeadTooLarge(self._parser.get_status_code())  # (through llhttp, to data_received)
 
     def on_headers_complete(self) -> None:
         parser = self._parser
@@ -270,6 +304,7 @@ class _Connection(asyncio.Protocol):
         assert transport is not None and not self._busy
         self._busy = True
         self._parser = httptools.HttpResponseParser(self)
+        self._unanswered = 0
         self._head_only = method == "HEAD"
         self._interim = interim
         self._read_timeout = read_timeout

@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -47,6 +47,7 @@ from idemproxy.problems import (
     RecordUnreadable,
     ResponseNotReplayable,
     StoreUnavailable,
+    UpstreamHeadRefused,
     UpstreamReset,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -506,6 +507,8 @@ class Engine:
             raise
         except (UpstreamTimeout, UpstreamReset) as problem:
             with self.tracer.span("idemproxy.settle"):
+                if isinstance(problem, UpstreamHeadRefused) and problem.original_status:
+                    return await self._unrelayable(claim, idem, problem, request.get(REQUEST_ID, ""))
                 await self._unknown_outcome(claim, idem, problem_response(problem, request.get(REQUEST_ID, "")))
             raise
         finally:
@@ -529,19 +532,42 @@ class Engine:
         head: bytes, complete: bool, request_id: str = "",
     ) -> web.Response | None:
         """Complete or release per the outcome table; a refused completion returns what the record says."""
-        status = upstream.status
         stored = StoredResponse(
-            status=status,
+            status=upstream.status,
             headers=tuple(replay_headers(upstream, idem, request_id).items()),
             body=head if complete else None,
         )
-        if status in idem.release_statuses or (status >= 500 and not idem.store_5xx
-                                                and status not in _UNKNOWN_STATUSES):
+        return await self._settle_stored(claim, idem, stored)
+
+    async def _settle_stored(
+        self, claim: Claim, idem: IdempotencyConfig, stored: StoredResponse
+    ) -> web.Response | None:
+        disposition = _disposition(stored.status, idem)
+        if disposition == "release":
             await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
             return None
-        if status in _UNKNOWN_STATUSES:
+        if disposition == "unknown":
             return await self._unknown_outcome(claim, idem, stored)
         return await self._complete(claim, stored, idem)
+
+    async def _unrelayable(
+        self, claim: Claim, idem: IdempotencyConfig, problem: UpstreamHeadRefused, request_id: str
+    ) -> web.Response:
+        """The upstream answered, with a head too large to relay: its status is settled as the outcome table says,
+        an answer kept without headers or body (as one too large to store is: a retry gets 502
+        ``response_not_replayable`` and is never executed again). The client gets the 502 (or, when the
+        completion was refused, what the record says now)."""
+        status = problem.original_status
+        stored = StoredResponse(
+            status=status, headers=(("Original-Request-Id", request_id),) if request_id else (), body=None)
+        refused = await self._settle_stored(claim, idem, stored)
+        if refused is not None:
+            return refused
+        disposition = _disposition(status, idem)
+        if disposition == "complete" or (disposition == "unknown" and idem.on_unknown_outcome == "store"):
+            problem.detail += (" It was executed: a retry with this idempotency key is not executed again, and "
+                               "gets 502 response_not_replayable.")
+        raise problem
 
     async def _unknown_outcome(
         self, claim: Claim, idem: IdempotencyConfig, answer: StoredResponse
@@ -639,6 +665,13 @@ def _annotate(span: Span, ex: _Exchange) -> None:
         span.set_attribute(HTTP_STATUS, ex.status)
     if ex.key:
         span.set_attribute("idemproxy.key_hash", short_hash(ex.key))
+
+
+def _disposition(status: int, idem: IdempotencyConfig) -> Literal["release", "unknown", "complete"]:
+    """What the outcome table does with an upstream answer of ``status``."""
+    if status in idem.release_statuses or (status >= 500 and not idem.store_5xx and status not in _UNKNOWN_STATUSES):
+        return "release"
+    return "unknown" if status in _UNKNOWN_STATUSES else "complete"
 
 
 def replay_headers(

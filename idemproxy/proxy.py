@@ -17,9 +17,24 @@ from aiohttp import HttpVersion11, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from idemproxy.client import ConnectionPool, HeaderInjection, Interim, UpstreamConnectError, UpstreamResponse
+from idemproxy.client import (
+    MAX_HEAD,
+    ConnectionPool,
+    HeaderInjection,
+    Interim,
+    UpstreamConnectError,
+    UpstreamHeadTooLarge,
+    UpstreamResponse,
+)
 from idemproxy.config import Config, IPNetwork, RouteConfig, UpstreamConfig
-from idemproxy.problems import BadRequest, ClientGone, UpstreamReset, UpstreamTimeout, UpstreamUnreachable
+from idemproxy.problems import (
+    BadRequest,
+    ClientGone,
+    UpstreamHeadRefused,
+    UpstreamReset,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from idemproxy.tracing import Tracer
 
 log = logging.getLogger("idemproxy.proxy")
@@ -210,6 +225,10 @@ class _UpstreamErrors:
             raise UpstreamUnreachable("The upstream could not be reached; nothing was sent.") from exc
         if isinstance(exc, TimeoutError):
             raise UpstreamTimeout("The upstream did not answer in time.") from exc
+        if isinstance(exc, UpstreamHeadTooLarge):
+            answered = f" {exc.status}" if exc.status else ""
+            raise UpstreamHeadRefused(f"The upstream answered{answered} with a header section larger than "
+                                      f"{MAX_HEAD // 1024} KiB, which the proxy does not relay.", exc.status) from exc
         if isinstance(exc, aiohttp.ClientError | OSError):  # (aiohttp's: a client's streamed body that broke)
             raise UpstreamReset("The upstream connection broke before a full answer.") from exc
 

@@ -20,9 +20,11 @@ from multidict import CIMultiDict
 from idemproxy.client import (
     HIGH_WATER,
     KEEPALIVE,
+    MAX_HEAD,
     ConnectionPool,
     UpstreamConnectError,
     UpstreamDisconnected,
+    UpstreamHeadTooLarge,
     UpstreamProtocolError,
     UpstreamReadTimeout,
     UpstreamResponse,
@@ -426,6 +428,47 @@ async def test_a_second_answer_to_one_request_is_never_taken_for_it(
     assert "X-Second" not in response.headers
     await get(pool)
     assert upstream.connections == 2  # the connection that carried the stray answer was not reused
+
+
+@pytest.mark.parametrize("shape", ["many-lines", "one-endless-line", "in-a-1xx-answer", "just-within"])
+async def test_an_answer_head_is_read_up_to_max_head_and_no_further(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool], shape: str
+) -> None:
+    """An upstream's head used to be read and kept whatever its size (20 MB of headers were stored with the
+    record). Past MAX_HEAD the exchange fails at once, naming the answer's status when it got that far, and the
+    socket is cut: a header line that never ends is not buffered on until the read timeout."""
+    line = b"X-Big: " + b"a" * 1000 + b"\r\n"  # 1,009 bytes as on the wire, 1,009 as counted (name + value + 4)
+    fitting = MAX_HEAD // len(line) - 1  # the status line and Content-Length fit beside these
+
+    async def big_head(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await read_declared_body(head, reader)
+        if shape == "in-a-1xx-answer":
+            writer.write(b"HTTP/1.1 103 Early Hints\r\n" + line * (fitting + 2) + b"\r\n")
+        writer.write(b"HTTP/1.1 201 Created\r\n")
+        if shape == "one-endless-line":
+            writer.write(b"X-Endless: ")
+            for _ in range(3 * MAX_HEAD // 4096):
+                writer.write(b"b" * 4096)
+                await writer.drain()
+            with contextlib.suppress(ConnectionError):  # (holds the line open until the client cuts it)
+                await asyncio.wait_for(reader.read(), 30)
+            return False
+        writer.write(line * (fitting + (2 if shape == "many-lines" else 0)) + b"Content-Length: 2\r\n\r\nok")
+        return True
+
+    upstream = await scripted(big_head)
+    pool = pools(upstream.url, read_timeout=20.0)
+    if shape == "just-within":
+        response, body = await get(pool, "POST", body=b"{}")
+        assert (response.status, body) == (201, b"ok") and len(response.headers.getall("X-Big")) == fitting
+        return
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(UpstreamHeadTooLarge) as raised:
+        await get(pool, "POST", body=b"{}")
+    assert asyncio.get_running_loop().time() - started < 5.0
+    assert raised.value.status == (0 if shape == "in-a-1xx-answer" else 201)
+    assert isinstance(raised.value, UpstreamProtocolError)  # (an outcome unknown, to anyone who asks no more)
+    await until(lambda: upstream.open_now == 0)  # the socket was cut, not kept for another request
 
 
 async def test_an_upstream_may_answer_before_the_body_ends_and_still_read_it(

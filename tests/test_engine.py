@@ -457,6 +457,56 @@ async def test_response_too_large_to_store_is_never_re_executed(
     assert upstream.count(key="huge") == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_an_answer_whose_head_is_too_large_is_settled_by_its_status_and_never_relayed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    """Past 64 KiB of headers (client.MAX_HEAD) an answer is not relayed, nor stored (its headers used to be
+    stored whole: 20 MB of them in one record). The upstream did answer, so its status is settled as the outcome
+    table says: a kept answer is recorded without headers or body, as one too large to store is, and a retry
+    gets 502 response_not_replayable; it used to be taken for a broken connection (outcome unknown), so a retry
+    after the lease executed the charge again."""
+    proxy = await make_proxy(backend)
+    huge = {"X-Test-Head": str(80 * 1024)}
+    first, body = await proxy.post("/v1/charges", key="big-head", body=CHARGE, headers=huge)
+    assert first.status == 502 and "Idempotent-Replayed" not in first.headers
+    assert problem(body)["code"] == "upstream_reset" and problem(body)["original_status"] == 201
+    assert "larger than 64 KiB" in problem(body)["detail"] and "not executed again" in problem(body)["detail"]
+    assert not any(name.startswith("X-Head-") for name in first.headers)
+    again, body = await proxy.post("/v1/charges", key="big-head", body=CHARGE, headers=huge)
+    assert again.status == 502
+    assert problem(body)["code"] == "response_not_replayable" and problem(body)["original_status"] == 201
+    assert again.headers["Original-Request-Id"] == first.headers["X-Request-Id"]
+    assert upstream.count(key="big-head") == 1
+    # a release status releases the key as ever; an answer within the limit is relayed and replayed whole
+    released, body = await proxy.post("/v1/charges", key="big-429", body=CHARGE,
+                                      headers={**huge, "X-Test-Status": "429"})
+    assert released.status == 502 and problem(body)["original_status"] == 429
+    assert "not executed again" not in problem(body)["detail"]
+    await proxy.post("/v1/charges", key="big-429", body=CHARGE)
+    assert upstream.count(key="big-429") == 2
+    within = {"X-Test-Head": str(48 * 1024)}
+    (live, _), (replayed, _) = await first_and_retry(proxy, "head-within", body=CHARGE, headers=within)
+    assert live.status == replayed.status == 201 and replayed.headers["Idempotent-Replayed"] == "true"
+    assert len(live.headers.getall("X-Head-11")) == len(replayed.headers.getall("X-Head-11")) == 1
+    assert upstream.count(key="head-within") == 1
+
+
+async def test_an_unknown_outcome_with_a_head_too_large_keeps_the_lease_and_pass_through_gets_502(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded")
+    huge = {"X-Test-Head": str(80 * 1024)}
+    first, body = await proxy.post("/v1/charges", key="big-504", body=CHARGE, headers={**huge, "X-Test-Status": "504"})
+    assert first.status == 502 and problem(body)["original_status"] == 504
+    again, body = await proxy.post("/v1/charges", key="big-504", body=CHARGE)
+    assert again.status == 409 and problem(body)["code"] == "in_flight"  # keep_lease: as any unknown outcome
+    assert upstream.count(key="big-504") == 1
+    passed, body = await proxy.post("/v1/things", method="GET", headers=huge)
+    assert passed.status == 502 and problem(body)["code"] == "upstream_reset"
+    assert problem(body)["original_status"] == 200
+
+
 async def test_an_answer_too_large_to_store_streams_past_the_upstream_timeout_while_it_flows(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:

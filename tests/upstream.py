@@ -14,6 +14,7 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-No-Type: 1          answer with no Content-Type (aiohttp would add application/octet-stream)
   X-Test-Interim: 1          send interim answers first: a 100 nobody asked for, then a 103 Early Hints
                              (101: a 101 Switching Protocols instead)
+  X-Test-Head: bytes         answer with about this many bytes of extra headers (X-Head-0, X-Head-1, ... of 4 KiB)
 The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them;
 /stream/broken?size=N declares N bytes and hangs up halfway.
 """
@@ -93,6 +94,9 @@ class RecordingUpstream:
             headers["Set-Cookie"] = h["X-Test-Set-Cookie"]
         if "X-Test-Replayed" in h:
             headers["Idempotent-Replayed"] = h["X-Test-Replayed"]
+        if "X-Test-Head" in h:
+            size = int(h["X-Test-Head"])
+            headers.update({f"X-Head-{n}": "h" * 4096 for n in range(-(-size // 4096))})
         if "X-Test-Size" in h:
             return web.Response(status=status, body=b"x" * int(h["X-Test-Size"]), headers=headers)
         if "X-Test-Trickle" in h:  # "<chunks>,<seconds>": that many 2 KiB chunks, one every <seconds>
