@@ -232,6 +232,10 @@ class Proxy:
         A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
         """
         request[REQUEST_ID] = self._request_id(request)
+        if "Transfer-Encoding" in request.headers:
+            refused = _transfer_coding(request)
+            if refused is not None:
+                return refused
         expecting = "Expect" in request.headers
         if expecting:
             refused = _expect(request)
@@ -455,6 +459,19 @@ class _ProxyRunner(web.BaseRunner):
         if self._started:
             self._started = False
             await self._proxy.stop()
+
+
+def _transfer_coding(request: web.BaseRequest) -> web.Response | None:
+    """A transfer coding other than chunked gets 501 (RFC 9112 §6.1; nginx answers so too): aiohttp takes chunked
+    off the end of a list and leaves the rest undecoded, so the body would reach the upstream as something else,
+    no longer named (and be fingerprinted so). The connection closes: the body is not read."""
+    codings = ",".join(request.headers.getall("Transfer-Encoding"))
+    if [coding.strip().lower() for coding in codings.split(",") if coding.strip()] == ["chunked"]:
+        return None
+    refused = BadRequest(f"The transfer coding {codings[:64]!r} is not supported; send the body with "
+                         "Content-Length, or chunked alone.", status=501).response()
+    refused.force_close()
+    return refused
 
 
 def _expect(request: web.BaseRequest) -> web.Response | None:

@@ -56,14 +56,20 @@ class UpstreamProtocolError(ConnectionError):
     """The upstream's answer was not valid HTTP/1.1."""
 
 
-class UpstreamHeadTooLarge(UpstreamProtocolError):
-    """The upstream's answer has a status line and headers larger than ``MAX_HEAD``: they are not read on, nor
-    kept, nor relayed. ``status`` is the final answer's status (0 when the head that overflowed was a 1xx answer's,
-    or its status line was never whole)."""
+class UpstreamUnrelayable(UpstreamProtocolError):
+    """The upstream answered in a form no proxy should pass on: a status line and headers larger than
+    ``MAX_HEAD`` (not read on), or a transfer coding other than chunked (which the proxy would pass on undecoded
+    and unnamed, as nginx refuses to). ``status`` is the final answer's status (0 when the head that overflowed
+    was a 1xx answer's, or its status line was never whole); ``what`` says what was wrong with it."""
 
-    def __init__(self, status: int) -> None:
-        super().__init__(f"The upstream's answer has a header section larger than {MAX_HEAD // 1024} KiB.")
+    def __init__(self, status: int, what: str) -> None:
+        super().__init__(f"The upstream answered with {what}.")
         self.status = status if status >= 200 else 0
+        self.what = what
+
+
+def _head_too_large(status: int) -> UpstreamUnrelayable:
+    return UpstreamUnrelayable(status, f"a header section larger than {MAX_HEAD // 1024} KiB")
 
 
 class UpstreamReadTimeout(TimeoutError):
@@ -182,14 +188,14 @@ class _Connection(asyncio.Protocol):
                 # that never ends is bounded here, by every byte that came before the final answer's head did.
                 self._unanswered += len(data)
                 if self._unanswered > 2 * MAX_HEAD:  # (room for 1xx answers, each within MAX_HEAD)
-                    raise UpstreamHeadTooLarge(parser.get_status_code())
-        except UpstreamHeadTooLarge as exc:
+                    raise _head_too_large(parser.get_status_code())
+        except UpstreamUnrelayable as exc:
             self._fail(exc)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamProtocolError("The upstream switched protocols, which a proxied request cannot."))
         except httptools.HttpParserError as exc:
             raised = exc.__context__  # (what one of our callbacks raised, if it was one: on_header's count)
-            self._fail(raised if isinstance(raised, UpstreamHeadTooLarge)
+            self._fail(raised if isinstance(raised, UpstreamUnrelayable)
                        else UpstreamProtocolError(f"The upstream's answer is not valid HTTP/1.1: {exc!r}"))
 
     def eof_received(self) -> bool | None:
@@ -232,17 +238,17 @@ class _Connection(asyncio.Protocol):
         self._reason += status
         self._head_size += len(status)
         if self._head_size > MAX_HEAD:
-            self._head_too_large()
+            self._refuse_head()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_size += len(name) + len(value) + 4  # (inline: a call per header is a cost on every answer)
         if self._head_size > MAX_HEAD:
-            self._head_too_large()
+            self._refuse_head()
         self._headers.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
 
-    def _head_too_large(self) -> None:
+    def _refuse_head(self) -> None:
         assert self._parser is not None
-        raise UpstreamHeadTooLarge(self._parser.get_status_code())  # (through llhttp, to data_received)
+        raise _head_too_large(self._parser.get_status_code())  # (through llhttp, to data_received)
 
     def on_headers_complete(self) -> None:
         parser = self._parser
@@ -259,8 +265,14 @@ class _Connection(asyncio.Protocol):
         length_text = headers.get("Content-Length")
         length = int(length_text) if length_text is not None and length_text.isdigit() else None
         no_body = self._head_only or status in _NO_BODY_STATUSES
-        codings = headers.get("Transfer-Encoding", "")
-        chunked = codings.rpartition(",")[2].strip().lower() == "chunked"  # chunked only counts as the last coding
+        chunked = False
+        if "Transfer-Encoding" in headers:
+            codings = ",".join(headers.getall("Transfer-Encoding"))
+            if [coding.strip().lower() for coding in codings.split(",") if coding.strip()] != ["chunked"]:
+                # llhttp takes chunked off the end of a list and leaves the rest undecoded: relayed without its
+                # name, the body would be read as something else (nginx refuses such answers too)
+                raise UpstreamUnrelayable(status, f"the transfer coding {codings[:64]!r}")
+            chunked = True
         self._until_eof = not no_body and length is None and not chunked
         hint = headers.get("Keep-Alive")
         if hint is not None:

@@ -47,7 +47,7 @@ from idemproxy.problems import (
     RecordUnreadable,
     ResponseNotReplayable,
     StoreUnavailable,
-    UpstreamHeadRefused,
+    UpstreamAnswerRefused,
     UpstreamReset,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -507,7 +507,7 @@ class Engine:
             raise
         except (UpstreamTimeout, UpstreamReset) as problem:
             with self.tracer.span("idemproxy.settle"):
-                if isinstance(problem, UpstreamHeadRefused) and problem.original_status:
+                if isinstance(problem, UpstreamAnswerRefused) and problem.original_status:
                     return await self._unrelayable(claim, idem, problem, request.get(REQUEST_ID, ""))
                 await self._unknown_outcome(claim, idem, problem_response(problem, request.get(REQUEST_ID, "")))
             raise
@@ -551,9 +551,9 @@ class Engine:
         return await self._complete(claim, stored, idem)
 
     async def _unrelayable(
-        self, claim: Claim, idem: IdempotencyConfig, problem: UpstreamHeadRefused, request_id: str
+        self, claim: Claim, idem: IdempotencyConfig, problem: UpstreamAnswerRefused, request_id: str
     ) -> web.Response:
-        """The upstream answered, with a head too large to relay: its status is settled as the outcome table says,
+        """The upstream answered, in a form the proxy does not relay: its status is settled as the outcome table says,
         an answer kept without headers or body (as one too large to store is: a retry gets 502
         ``response_not_replayable`` and is never executed again). The client gets the 502 (or, when the
         completion was refused, what the record says now)."""

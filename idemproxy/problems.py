@@ -13,7 +13,7 @@
     ├── PayloadMismatch            422 payload_mismatch   (or idempotency.mismatch_status)
     ├── UpstreamUnreachable        502 upstream_unreachable
     ├── UpstreamReset              502 upstream_reset
-    │   └── UpstreamHeadRefused    502 upstream_reset     (+ original_status: an answer whose head is too large)
+    │   └── UpstreamAnswerRefused  502 upstream_reset     (+ original_status: an answer the proxy does not relay)
     ├── ResponseNotReplayable      502 response_not_replayable (+ original_status)
     ├── StoreUnavailable           503 store_unavailable  + Retry-After (+ forwarded: true after the forward)
     │   └── RecordUnreadable       503 store_unavailable  (a stored response that does not open: never forwarded)
@@ -147,9 +147,9 @@ class UpstreamReset(Problem):
     status, code, title, outcome = 502, "upstream_reset", "Upstream connection broke", "upstream_error"
 
 
-class UpstreamHeadRefused(UpstreamReset):
-    """The upstream answered with a header section too large to relay (``client.MAX_HEAD``). Its status, when
-    the head got that far, is ``original_status``: the outcome is known, though the answer cannot be passed on."""
+class UpstreamAnswerRefused(UpstreamReset):
+    """The upstream answered in a form the proxy does not relay (``client.UpstreamUnrelayable``). Its status,
+    when the head got that far, is ``original_status``: the outcome is known, though the answer is not passed on."""
 
     def __init__(self, detail: str, original_status: int) -> None:
         super().__init__(detail, **({"original_status": original_status} if original_status else {}))

@@ -18,19 +18,18 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from idemproxy.client import (
-    MAX_HEAD,
     ConnectionPool,
     HeaderInjection,
     Interim,
     UpstreamConnectError,
-    UpstreamHeadTooLarge,
     UpstreamResponse,
+    UpstreamUnrelayable,
 )
 from idemproxy.config import Config, IPNetwork, RouteConfig, UpstreamConfig
 from idemproxy.problems import (
     BadRequest,
     ClientGone,
-    UpstreamHeadRefused,
+    UpstreamAnswerRefused,
     UpstreamReset,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -225,10 +224,10 @@ class _UpstreamErrors:
             raise UpstreamUnreachable("The upstream could not be reached; nothing was sent.") from exc
         if isinstance(exc, TimeoutError):
             raise UpstreamTimeout("The upstream did not answer in time.") from exc
-        if isinstance(exc, UpstreamHeadTooLarge):
+        if isinstance(exc, UpstreamUnrelayable):
             answered = f" {exc.status}" if exc.status else ""
-            raise UpstreamHeadRefused(f"The upstream answered{answered} with a header section larger than "
-                                      f"{MAX_HEAD // 1024} KiB, which the proxy does not relay.", exc.status) from exc
+            raise UpstreamAnswerRefused(f"The upstream answered{answered} with {exc.what}, which the proxy does not "
+                                        "relay.", exc.status) from exc
         if isinstance(exc, aiohttp.ClientError | OSError):  # (aiohttp's: a client's streamed body that broke)
             raise UpstreamReset("The upstream connection broke before a full answer.") from exc
 

@@ -492,6 +492,20 @@ async def test_an_answer_whose_head_is_too_large_is_settled_by_its_status_and_ne
     assert upstream.count(key="head-within") == 1
 
 
+async def test_an_answer_in_a_transfer_coding_other_than_chunked_is_settled_by_its_status_and_never_relayed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Its body used to be handed on, and stored, still gzip-coded but no longer named so."""
+    proxy = await make_proxy("embedded")
+    coded = {"X-Test-Coding": "gzip, chunked"}
+    first, body = await proxy.post("/v1/charges", key="coded", body=CHARGE, headers=coded)
+    assert first.status == 502 and problem(body)["code"] == "upstream_reset"
+    assert problem(body)["original_status"] == 201 and "'gzip, chunked'" in problem(body)["detail"]
+    again, body = await proxy.post("/v1/charges", key="coded", body=CHARGE, headers=coded)
+    assert again.status == 502 and problem(body)["code"] == "response_not_replayable"
+    assert upstream.count(key="coded") == 1
+
+
 async def test_an_unknown_outcome_with_a_head_too_large_keeps_the_lease_and_pass_through_gets_502(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:

@@ -14,6 +14,7 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-No-Type: 1          answer with no Content-Type (aiohttp would add application/octet-stream)
   X-Test-Interim: 1          send interim answers first: a 100 nobody asked for, then a 103 Early Hints
                              (101: a 101 Switching Protocols instead)
+  X-Test-Coding: codings     answer with a chunked body under "Transfer-Encoding: <codings>" (raw bytes), then close
   X-Test-Head: bytes         answer with about this many bytes of extra headers (X-Head-0, X-Head-1, ... of 4 KiB)
 The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them;
 /stream/broken?size=N declares N bytes and hangs up halfway.
@@ -72,12 +73,8 @@ class RecordingUpstream:
         self.executed.append(Executed(request.method, request.raw_path, CIMultiDict(request.headers),
                                       body, serial))
         h = request.headers
-        if h.get("X-Test-Interim") == "101":  # switching protocols nobody asked for
-            await request.writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n")
-        elif "X-Test-Interim" in h:  # (raw bytes: aiohttp's server has no API for 1xx answers)
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n"
-                                       b"Link: </caf\xc3\xa9.css>; rel=preload\r\nConnection: X-Hop\r\n"
-                                       b"X-Hop: 1\r\nKeep-Alive: timeout=5\r\n\r\n")
+        if "X-Test-Interim" in h:
+            await self.interim(request, h["X-Test-Interim"])
         if "X-Test-Delay" in h:
             await asyncio.sleep(float(h["X-Test-Delay"]))
         if "X-Test-Hang" in h:
@@ -87,6 +84,8 @@ class RecordingUpstream:
             request.transport.close()
             return web.Response()
         status = int(h.get("X-Test-Status", "201" if request.method == "POST" else "200"))
+        if "X-Test-Coding" in h:
+            return await self.coded(request, status, h["X-Test-Coding"])
         headers = {"X-Upstream-Serial": str(serial), "X-Custom": "kept"}
         if "X-Test-Hop" in h:  # hop-by-hop headers the proxy must not pass on
             headers.update({"Connection": "X-Up-Private", "X-Up-Private": "1", "Keep-Alive": "timeout=5"})
@@ -106,6 +105,25 @@ class RecordingUpstream:
                    "body": body.decode(errors="replace")}
         return web.Response(status=status, text=json.dumps(payload), content_type="application/json",
                             headers=headers)
+
+    @staticmethod
+    async def interim(request: web.Request, kind: str) -> None:
+        """1xx answers before the final one, written raw (aiohttp's server has no API for them)."""
+        if kind == "101":  # switching protocols nobody asked for
+            await request.writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n")
+        else:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n"
+                                       b"Link: </caf\xc3\xa9.css>; rel=preload\r\nConnection: X-Hop\r\n"
+                                       b"X-Hop: 1\r\nKeep-Alive: timeout=5\r\n\r\n")
+
+    @staticmethod
+    async def coded(request: web.Request, status: int, codings: str) -> web.StreamResponse:
+        """A chunked answer under other codings too, written raw (aiohttp's server names chunked alone)."""
+        await request.writer.write(b"HTTP/1.1 %d Done\r\nTransfer-Encoding: %s\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+                                   % (status, codings.encode()))
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response()
 
     @staticmethod
     async def trickle(request: web.Request, status: int, headers: dict[str, str], chunks: int,
