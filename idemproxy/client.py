@@ -137,6 +137,15 @@ class _Connection(asyncio.Protocol):
     """One connection to the upstream; one exchange at a time. It is reusable only while ``_clean`` stays True
     through a whole exchange (see ``finish``)."""
 
+    # Slots: past 30 attributes CPython (3.11) gives an instance a dict of its own instead of shared keys, and
+    # every attribute access on this, the hottest object of a forward, costs more (1 % of a plain request).
+    __slots__ = (
+        "_body", "_body_sent", "_buffered", "_busy", "_clean", "_complete", "_deadline", "_discarded", "_drain",
+        "_exc", "_head_only", "_head_size", "_headers", "_interim", "_keep_alive", "_parser", "_paused",
+        "_read_timeout", "_reason", "_response", "_unanswered", "_until_eof", "_waiter", "_writer", "_written",
+        "idle_limit", "idle_since", "loop", "lost", "pool", "transport",
+    )
+
     def __init__(self, pool: ConnectionPool) -> None:
         self.pool = pool
         self.loop = pool.loop
