@@ -20,7 +20,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestHandler
 
 from idemproxy.admin import ADMIN_MARK, AdminAPI
-from idemproxy.config import Config, advisories, to_plain
+from idemproxy.config import Config, SecretURL, advisories, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import Metrics
 from idemproxy.problems import BadRequest, InvalidKey, Problem, StoreUnavailable, problem_middleware, render_problems
@@ -346,7 +346,7 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
             log.warning("%s", note)
         log.info(
             "idemproxy serving on %s:%d -> %s (store: %s); admin on %s:%d; effective config: %s",
-            config.listen.host, config.listen.port, ", ".join(u.base for u in proxy.upstreams),
+            config.listen.host, config.listen.port, ", ".join(SecretURL(u.base).masked() for u in proxy.upstreams),
             proxy.store.backend, config.admin.host, config.admin.port,
             json.dumps(to_plain(config), separators=(",", ":")),
         )

@@ -1034,6 +1034,11 @@ def _parse_yaml(path: str | os.PathLike[str], text: str) -> Any:
 # --------------------------------------------------------------------------- output
 
 
+# Plain-text URLs that may still carry a credential (``?token=`` for an API gateway or a collector, a user's
+# password): shown masked as the stores' URLs are.
+_URL_FIELDS = frozenset({"url", "endpoint"})
+
+
 def to_plain(config: Config) -> dict[str, Any]:
     """The effective config as plain data with every secret masked (for check-config and logs)."""
     return cast(dict[str, Any], _plain(config))
@@ -1049,12 +1054,18 @@ def _plain(value: Any) -> Any:
         return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {
-            ("from" if f.name == "from_" else f.name): _plain(getattr(value, f.name))
+            ("from" if f.name == "from_" else f.name): _plain_field(f.name, getattr(value, f.name))
             for f in fields(value)
         }
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     return value
+
+
+def _plain_field(name: str, value: Any) -> Any:
+    if name in _URL_FIELDS and isinstance(value, str):
+        return SecretURL(value).masked()
+    return _plain(value)
 
 
 def dump_yaml(config: Config) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from idemproxy.config import (
     parse_duration,
     parse_size,
 )
+from tests.proxyproc import ProxyProcess
 
 UP = {"url": "http://127.0.0.1:9000"}
 
@@ -285,6 +287,35 @@ def test_passwords_given_as_query_parameters_are_masked_too(tmp_path: Path) -> N
     assert shown["postgres"]["dsn"] == "postgresql://app@db/idem?password=***&sslmode=disable&sslpassword=***"
     assert shown["redis"]["url"] == "redis://default:***@cache:6379/0?password=***"
     assert "SECRET" not in repr(load_config(raw, env={}))
+
+
+async def test_a_token_in_an_upstream_or_collector_url_is_masked_in_check_config_and_the_log(
+    tmp_path: Path, proxy_process: Callable[..., ProxyProcess]
+) -> None:
+    """An API gateway's or a collector's ``?token=`` used to be shown whole: these URLs are plain strings, not
+    secrets, so only the stores' URLs were masked."""
+    upstream = "http://127.0.0.1:1/base?api_token=up-SECRET&region=eu"
+    raw = {
+        "upstream": {"url": upstream},
+        "routes": [{"prefix": "/b", "upstream": {"url": "http://127.0.0.1:2/?token=route-SECRET"}}],
+        "tracing": {"enabled": False, "exporter": "otlp", "endpoint": "http://otel:4318/v1/traces?token=otel-SECRET"},
+        "storage": {"embedded": {"path": str(tmp_path / "s.sqlite3")}},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = check_config(path)
+    assert result.returncode == 0, result.stderr
+    assert "SECRET" not in result.stdout + result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["upstream"]["url"] == "http://127.0.0.1:1/base?api_token=***&region=eu"
+    assert shown["routes"][0]["upstream"]["url"] == "http://127.0.0.1:2/?token=***"
+    assert shown["tracing"]["endpoint"] == "http://otel:4318/v1/traces?token=***"
+    assert load_config(raw, env={}).upstream.url == upstream  # (masked when shown, never when used)
+    proc = proxy_process(raw)
+    await proc.start()
+    proc.stop()
+    log = proc.log_path.read_text()
+    assert "serving on" in log and "api_token=***" in log and "SECRET" not in log
 
 
 @pytest.mark.parametrize(
