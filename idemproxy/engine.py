@@ -315,6 +315,8 @@ class Engine:
                 f"The {tenant.header} header cannot be used as a tenant unhashed (valid UTF-8 of at most "
                 f"{TENANT_MAX_BYTES} bytes); the operator can set tenant.hash: true."
             )
+        if value == ANONYMOUS_TENANT:  # the id of requests without a tenant: taken as one, it would read theirs
+            raise MissingTenant(f"The {tenant.header} value {ANONYMOUS_TENANT!r} names no tenant.")
         return value
 
     async def _claim(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:

@@ -784,6 +784,21 @@ async def test_an_unhashed_tenant_too_long_to_index_is_refused_not_unavailable(
     assert upstream.count(key="long-tenant") == 1
 
 
+async def test_an_unhashed_tenant_named_as_the_tenantless_are_cannot_read_their_records(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Requests without a tenant (``required: false``) share the id "-"; an unhashed tenant header "-" used to be
+    that id too, and replayed their answers (or answered 422 to their keys)."""
+    proxy = await make_proxy("embedded", tenant={"hash": False, "required": False})
+    first, _ = await proxy.post("/v1/charges", key="anon-1", body=CHARGE, tenant=None)
+    assert first.status == 201
+    posing, body = await proxy.post("/v1/charges", key="anon-1", body=CHARGE, tenant="-")
+    assert posing.status == 401 and problem(body)["code"] == "missing_tenant"
+    again, _ = await proxy.post("/v1/charges", key="anon-1", body=CHARGE, tenant=None)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="anon-1") == 1
+
+
 async def test_a_proxy_that_fails_to_start_leaves_its_store_closed(
     storage: StorageFactory, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
