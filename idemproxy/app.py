@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -316,6 +317,21 @@ async def _admin_response_hook(request: web.BaseRequest, response: web.StreamRes
     response.headers[ADMIN_MARK] = "1"
 
 
+class CannotListen(OSError):
+    """A configured address that cannot be listened on; the message names the config keys (one line)."""
+
+
+async def _listen(runner: web.BaseRunner, section: str, host: str, port: int, reuse_port: bool) -> None:
+    try:
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).rpartition("): ")[2]  # (asyncio names the address again first)
+        if isinstance(exc, socket.gaierror):
+            reason = f"the host does not resolve: {reason}"
+        raise CannotListen(f"{section}.host / {section}.port: cannot listen on {host}:{port} ({reason.lower()})"
+                           ) from exc
+
+
 async def serve(config: Config, *, reuse_port: bool = False) -> None:
     """Run until SIGTERM/SIGINT; then drain (CONTRACT "Draining") and stop. A second signal exits at once."""
     proxy = Proxy(config, ready_after_start=False)
@@ -336,11 +352,9 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
     # Admin first: /healthz answers and /readyz says "starting" while the stores open (bounded retries).
     await admin_runner.setup()
     try:
-        await web.TCPSite(admin_runner, config.admin.host, config.admin.port,
-                          reuse_port=reuse_port or None).start()
+        await _listen(admin_runner, "admin", config.admin.host, config.admin.port, reuse_port)
         await proxy_runner.setup()  # opens the store and the upstream pools
-        await web.TCPSite(proxy_runner, config.listen.host, config.listen.port,
-                          reuse_port=reuse_port or None).start()
+        await _listen(proxy_runner, "listen", config.listen.host, config.listen.port, reuse_port)
         proxy.phase = Phase.READY
         for note in advisories(config):
             log.warning("%s", note)

@@ -179,6 +179,10 @@ def cmd_keys(args: argparse.Namespace) -> int:
     admin_url = (args.admin_url or (
         f"http://{config.admin.host}:{config.admin.port}" if config else "http://127.0.0.1:9090"
     )).rstrip("/")
+    parts = urllib.parse.urlsplit(admin_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CLIError(f"--admin-url {admin_url[:100]!r} is not an http(s) URL; give the proxy's admin port, such "
+                       "as http://127.0.0.1:9090")
     token = args.token or (config.admin.token.reveal() if config else "") or os.environ.get(
         "IDEMPROXY_ADMIN_TOKEN", ""
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -88,6 +89,42 @@ def test_postgres_unreachable_at_start_is_a_clear_error(tmp_path: Path) -> None:
     assert last == (f"idemproxy: PostgreSQL at 127.0.0.1:{port} is not reachable after 5 attempts "
                      "(ConnectionRefusedError; check storage.postgres.dsn)"), result.stderr
     assert "hunter2" not in result.stderr
+
+
+def test_start_up_errors_name_the_setting_to_fix(tmp_path: Path) -> None:
+    """Each used to be one line that named nothing to fix: "[Errno -2] Name or service not known", "The
+    idempotency store (embedded) is unavailable.", "[Errno 98] error while attempting to bind ..."."""
+    (tmp_path / "a-directory").mkdir()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    store = {"embedded": {"path": str(tmp_path / "s.sqlite3")}}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"storage": {"embedded": {"path": str(tmp_path / "a-directory")}}},
+         "storage.embedded.path: '" + str(tmp_path / "a-directory") + "' cannot be opened as the embedded store"),
+        ({"storage": {"embedded": {"path": str(tmp_path / "none" / "s.sqlite3")}}},
+         "cannot be opened as the embedded store (No such file or directory)"),
+        ({"listen": {"host": "999.1.1.1", "port": free_port()}, "storage": store},
+         "listen.host / listen.port: cannot listen on 999.1.1.1:"),
+        ({"listen": {"host": "127.0.0.1", "port": busy}, "storage": store},
+         f"listen.host / listen.port: cannot listen on 127.0.0.1:{busy} (address already in use)"),
+        ({"admin": {"host": "127.0.0.1", "port": busy}, "storage": store},
+         f"admin.host / admin.port: cannot listen on 127.0.0.1:{busy} (address already in use)"),
+    ]
+    try:
+        for section, expected in cases:
+            config = tmp_path / "c.yaml"
+            config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
+                                              "listen": {"host": "127.0.0.1", "port": free_port()},
+                                              "admin": {"host": "127.0.0.1", "port": free_port()}, **section}))
+            result = run_cli("serve", "--config", str(config))
+            assert result.returncode == 1, result
+            last = result.stderr.strip().splitlines()[-1]
+            assert last.startswith("idemproxy: ") and expected in last, result.stderr
+            assert "Traceback" not in result.stderr
+    finally:
+        taken.close()
 
 
 def test_migrate_with_postgres_unreachable_is_one_line(tmp_path: Path) -> None:
@@ -195,6 +232,8 @@ async def test_keys_errors_are_one_line_and_exit_non_zero(
         ((f"http://127.0.0.1:{free_port()}", "--token", "x"), "not reachable"),
         ((with_api.admin_url, "--token", "wrong"), "admin token refused"),
         ((with_api.admin_url, "--token", "s3cret"), "no record for this tenant and key"),
+        (("notaurl", "--token", "x"), "--admin-url 'notaurl' is not an http(s) URL"),  # (was: unexpected ValueError)
+        (("ftp://127.0.0.1:1", "--token", "x"), "is not an http(s) URL"),
     ]
     for args, expected in cases:
         result = await asyncio.to_thread(keys, *args)

@@ -95,9 +95,15 @@ class EmbeddedStore(Store):
     # ------------------------------------------------------------------ lifecycle
 
     async def open(self) -> None:
-        self._acquire_file_lock()
+        try:
+            self._acquire_file_lock()
+        except OSError as exc:
+            raise self._cannot_open(exc) from exc
         try:
             await self._run("open", self._open_db)
+        except StoreUnavailable as exc:
+            self._release_file_lock()
+            raise self._cannot_open(exc.__cause__ or exc) from exc
         except BaseException:
             self._release_file_lock()
             raise
@@ -105,6 +111,13 @@ class EmbeddedStore(Store):
             "embedded store %s: single-instance only (one process); use PostgreSQL (+ Redis) to run "
             "several replicas", self.path,
         )
+
+    def _cannot_open(self, cause: BaseException) -> StoreUnavailable:
+        """At start, an error that names the setting to fix (the message is the command line's one line)."""
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        return StoreUnavailable(
+            f"storage.embedded.path: {self.path!r} cannot be opened as the embedded store ({reason}); name a file "
+            "in a directory this process may write", maybe_applied=False)
 
     def _acquire_file_lock(self) -> None:
         lock_path = f"{self.path}.lock"
