@@ -41,6 +41,11 @@ def payments_app() -> web.Application:
             return web.json_response({"error": "no such charge"}, status=404)
         return web.json_response(charge)
 
+    async def name_itself(_request: web.Request, response: web.StreamResponse) -> None:
+        # The proxy passes on an upstream's own Server header: not aiohttp's banner, which would read as the proxy's.
+        response.headers["Server"] = "demo-payments"
+
+    app.on_response_prepare.append(name_itself)
     app.router.add_post("/v1/charges", create)
     app.router.add_get("/v1/charges/{charge_id}", show)
     return app

@@ -69,13 +69,14 @@ async def test_the_printed_scenarios_behave_as_described(demo: tuple[subprocess.
     async with aiohttp.ClientSession() as session:
         status, headers, charge = await send(session, first)
         assert status == 201 and headers["Idempotent-Replayed"] == "false"
+        assert headers["Server"] == "demo-payments"  # the sample API's own, as proxied (no aiohttp banner)
         assert charge["id"].startswith("ch_") and charge["amount"] == 1000
 
         status, headers, again = await send(session, replay)
         assert status == 201 and headers["Idempotent-Replayed"] == "true" and again == charge
 
-        status, _, problem = await send(session, mismatch)
-        assert status == 422 and problem["code"] == "payload_mismatch"
+        status, headers, problem = await send(session, mismatch)
+        assert status == 422 and problem["code"] == "payload_mismatch" and "Server" not in headers
 
         # scenario 4: the second request starts while the first (200 ms) is still running
         one = asyncio.ensure_future(send(session, busy_a))
