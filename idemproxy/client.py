@@ -141,8 +141,8 @@ class _Connection(asyncio.Protocol):
     # every attribute access on this, the hottest object of a forward, costs more (1 % of a plain request).
     __slots__ = (
         "_body", "_body_sent", "_buffered", "_busy", "_clean", "_complete", "_deadline", "_discarded", "_drain",
-        "_exc", "_head_only", "_head_size", "_headers", "_interim", "_keep_alive", "_parser", "_paused",
-        "_read_timeout", "_reason", "_response", "_unanswered", "_until_eof", "_waiter", "_writer", "_written",
+        "_exc", "_head_only", "_head_size", "_headers", "_interim", "_keep_alive", "_line", "_parser", "_paused",
+        "_read_timeout", "_reason", "_response", "_until_eof", "_waiter", "_writer", "_written",
         "idle_limit", "idle_since", "loop", "lost", "pool", "transport",
     )
 
@@ -167,7 +167,7 @@ class _Connection(asyncio.Protocol):
         self._reason = b""
         self._headers: list[tuple[str, str]] = []
         self._head_size = 0  # bytes of the answer's head so far (a 1xx answer's head counts on its own)
-        self._unanswered = 0  # bytes received before the final answer's head was whole
+        self._line = 0  # bytes of a head's line not yet ended, as received (llhttp hands on whole lines only)
         self._response: UpstreamResponse | None = None
         self._body: deque[bytes] = deque()
         self._buffered = 0
@@ -194,9 +194,10 @@ class _Connection(asyncio.Protocol):
             parser.feed_data(data)
             if self._response is None:
                 # A header line reaches on_header only once it is whole (httptools buffers it meanwhile): a line
-                # that never ends is bounded here, by every byte that came before the final answer's head did.
-                self._unanswered += len(data)
-                if self._unanswered > 2 * MAX_HEAD:  # (room for 1xx answers, each within MAX_HEAD)
+                # that never ends is bounded here, by the bytes since the last line break (not by how they came).
+                end = data.rfind(b"\n")
+                self._line = self._line + len(data) if end < 0 else len(data) - end - 1
+                if self._line > MAX_HEAD:
                     raise _head_too_large(parser.get_status_code())
         except UpstreamUnrelayable as exc:
             self._fail(exc)
@@ -250,6 +251,8 @@ class _Connection(asyncio.Protocol):
             self._refuse_head()
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._response is not None:  # a trailer field, after a chunked body: never passed on, so not kept
+            return
         self._head_size += len(name) + len(value) + 4  # (inline: a call per header is a cost on every answer)
         if self._head_size > MAX_HEAD:
             self._refuse_head()
@@ -275,12 +278,14 @@ class _Connection(asyncio.Protocol):
         length = int(length_text) if length_text is not None and length_text.isdigit() else None
         no_body = self._head_only or status in _NO_BODY_STATUSES
         chunked = False
-        if "Transfer-Encoding" in headers:
-            codings = ",".join(headers.getall("Transfer-Encoding"))
-            if [coding.strip().lower() for coding in codings.split(",") if coding.strip()] != ["chunked"]:
-                # llhttp takes chunked off the end of a list and leaves the rest undecoded: relayed without its
-                # name, the body would be read as something else (nginx refuses such answers too)
-                raise UpstreamUnrelayable(status, f"the transfer coding {codings[:64]!r}")
+        if "Transfer-Encoding" in headers and not no_body:
+            codings = headers.getall("Transfer-Encoding")
+            if len(codings) != 1 or codings[0].strip(" ").lower() != "chunked":
+                # llhttp decodes chunked off the end of a list and leaves the rest undecoded: relayed without its
+                # name, such a body would be read as something else (nginx refuses these answers too). Only what
+                # llhttp surely reads as chunked alone passes (it takes "chunked," or "chunked\t" for no coding
+                # at all, and reads to the connection's end).
+                raise UpstreamUnrelayable(status, f"the transfer coding {', '.join(codings)[:64]!r}")
             chunked = True
         self._until_eof = not no_body and length is None and not chunked
         hint = headers.get("Keep-Alive")
@@ -325,7 +330,7 @@ class _Connection(asyncio.Protocol):
         assert transport is not None and not self._busy
         self._busy = True
         self._parser = httptools.HttpResponseParser(self)
-        self._unanswered = 0
+        self._line = 0
         self._head_only = method == "HEAD"
         self._interim = interim
         self._read_timeout = read_timeout
