@@ -480,7 +480,7 @@ def _transfer_coding(request: web.BaseRequest) -> web.Response | None:
     off the end of a list and leaves the rest undecoded, so the body would reach the upstream as something else,
     no longer named (and be fingerprinted so). The connection closes: the body is not read."""
     codings = ",".join(request.headers.getall("Transfer-Encoding"))
-    if [coding.strip().lower() for coding in codings.split(",") if coding.strip()] == ["chunked"]:
+    if codings.isascii() and [coding.strip().lower() for coding in codings.split(",") if coding.strip()] == ["chunked"]:
         return None
     refused = BadRequest(f"The transfer coding {codings[:64]!r} is not supported; send the body with "
                          "Content-Length, or chunked alone.", status=501).response()

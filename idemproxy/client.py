@@ -141,7 +141,8 @@ class _Connection(asyncio.Protocol):
     # every attribute access on this, the hottest object of a forward, costs more (1 % of a plain request).
     __slots__ = (
         "_body", "_body_sent", "_buffered", "_busy", "_clean", "_complete", "_deadline", "_discarded", "_drain",
-        "_exc", "_head_only", "_head_size", "_headers", "_interim", "_keep_alive", "_line", "_parser", "_paused",
+        "_exc", "_head_only", "_head_size", "_headers", "_interim", "_keep_alive", "_line", "_lines", "_parser",
+        "_paused",
         "_read_timeout", "_reason", "_response", "_until_eof", "_waiter", "_writer", "_written",
         "idle_limit", "idle_since", "loop", "lost", "pool", "transport",
     )
@@ -168,6 +169,7 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._head_size = 0  # bytes of the answer's head so far (a 1xx answer's head counts on its own)
         self._line = 0  # bytes of a head's line not yet ended, as received (llhttp hands on whole lines only)
+        self._lines = True  # the bytes coming are lines (a head or trailer section), not a body's
         self._response: UpstreamResponse | None = None
         self._body: deque[bytes] = deque()
         self._buffered = 0
@@ -192,21 +194,29 @@ class _Connection(asyncio.Protocol):
             return
         try:
             parser.feed_data(data)
-            if self._response is None:
-                # A header line reaches on_header only once it is whole (httptools buffers it meanwhile): a line
-                # that never ends is bounded here, by the bytes since the last line break (not by how they came).
+            if self._lines:
+                # A header or trailer line reaches on_header only once it is whole (httptools buffers it meanwhile,
+                # a trailer's at a cost that grows as its square): a line that never ends is bounded here, by the
+                # bytes since the last line break (not by how they came).
                 end = data.rfind(b"\n")
                 self._line = self._line + len(data) if end < 0 else len(data) - end - 1
                 if self._line > MAX_HEAD:
-                    raise _head_too_large(parser.get_status_code())
+                    response = self._response
+                    raise (_head_too_large(parser.get_status_code()) if response is None else UpstreamUnrelayable(
+                        response.status, f"a trailer line longer than {MAX_HEAD // 1024} KiB"))
         except UpstreamUnrelayable as exc:
             self._fail(exc)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamProtocolError("The upstream switched protocols, which a proxied request cannot."))
         except httptools.HttpParserError as exc:
             raised = exc.__context__  # (what one of our callbacks raised, if it was one: on_header's count)
-            self._fail(raised if isinstance(raised, UpstreamUnrelayable)
-                       else UpstreamProtocolError(f"The upstream's answer is not valid HTTP/1.1: {exc!r}"))
+            status = parser.get_status_code()
+            if isinstance(raised, UpstreamUnrelayable):
+                self._fail(raised)
+            elif self._response is None and status >= 200:  # the status came: it answered, in a broken head
+                self._fail(UpstreamUnrelayable(status, f"a head that is not valid HTTP/1.1 ({exc})"))
+            else:
+                self._fail(UpstreamProtocolError(f"The upstream's answer is not valid HTTP/1.1: {exc!r}"))
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows
@@ -273,6 +283,7 @@ class _Connection(asyncio.Protocol):
             self._wake()  # (and the wait for it starts again)
             return
         self._interim = None  # (the final answer: nothing more to hand on, nor a request to hold on to)
+        self._lines = False  # (a body follows, if any; a chunked one's trailer section is lines again)
         headers = CIMultiDict(self._headers)
         length_text = headers.get("Content-Length")
         length = int(length_text) if length_text is not None and length_text.isdigit() else None
@@ -280,7 +291,8 @@ class _Connection(asyncio.Protocol):
         chunked = False
         if "Transfer-Encoding" in headers and not no_body:
             codings = headers.getall("Transfer-Encoding")
-            if len(codings) != 1 or codings[0].strip(" ").lower() != "chunked":
+            # (ASCII first: str.lower() makes "chunked" of a Kelvin sign, U+212A, which llhttp never would)
+            if len(codings) != 1 or not codings[0].isascii() or codings[0].strip(" ").lower() != "chunked":
                 # llhttp decodes chunked off the end of a list and leaves the rest undecoded: relayed without its
                 # name, such a body would be read as something else (nginx refuses these answers too). Only what
                 # llhttp surely reads as chunked alone passes (it takes "chunked," or "chunked\t" for no coding
@@ -298,7 +310,12 @@ class _Connection(asyncio.Protocol):
             self._keep_alive = parser.should_keep_alive() and length is not None
         self._wake()
 
+    def on_chunk_header(self) -> None:
+        self._lines = True  # (the last chunk, of size 0, is followed by the trailer section; any other by data)
+        self._line = 0
+
     def on_body(self, body: bytes) -> None:
+        self._lines = False
         if self._complete:  # a body after a HEAD answer: not for anyone, and the framing is off from here
             self._clean = False
             return
@@ -331,6 +348,7 @@ class _Connection(asyncio.Protocol):
         self._busy = True
         self._parser = httptools.HttpResponseParser(self)
         self._line = 0
+        self._lines = True
         self._head_only = method == "HEAD"
         self._interim = interim
         self._read_timeout = read_timeout

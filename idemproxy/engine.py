@@ -419,8 +419,8 @@ class Engine:
         headers = CIMultiDict(stored.headers)
         if stored.body is None:
             problem = ResponseNotReplayable(
-                "The original response was too large to store; the request was executed once "
-                "and will not be executed again.",
+                "The original response was too large to store, or in a form the proxy does not relay; the "
+                "request was executed once and will not be executed again.",
                 original_status=stored.status,
             )
             original = headers.get("Original-Request-Id")  # who executed it, as a replay says

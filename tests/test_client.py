@@ -495,6 +495,48 @@ async def test_interim_answers_each_within_max_head_pass_however_their_bytes_arr
     assert (response.status, body) == (201, b"ok")
 
 
+async def test_a_trailer_line_that_never_ends_is_cut_at_max_head_with_the_answers_status(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    """httptools buffers a trailer line by ``bytes +=`` until it ends (time growing as its square: 40 MB took
+    6 s of the event loop, every other request stalled behind it) and it was bounded by nothing."""
+    async def endless(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-T: ")
+        for _ in range(3 * MAX_HEAD // 4096):
+            writer.write(b"t" * 4096)
+            await writer.drain()
+        with contextlib.suppress(ConnectionError):  # (holds the line open until the client cuts it)
+            await asyncio.wait_for(reader.read(), 30)
+        return False
+
+    upstream = await scripted(endless)
+    response = await pools(upstream.url, read_timeout=20.0).request("GET", "/", CIMultiDict(), None)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamUnrelayable) as raised:
+            await response.read()
+    finally:
+        response.release()
+    assert asyncio.get_running_loop().time() - started < 5.0
+    assert raised.value.status == 201 and "trailer line" in str(raised.value)
+    await until(lambda: upstream.open_now == 0)
+
+
+async def test_a_head_broken_after_its_status_line_is_refused_with_that_status(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    """The upstream answered 201, in a head llhttp refuses (an obsolete folded line): that was an outcome
+    unknown, and a covered key was executed again after its lease. Its status settles the key now."""
+    async def folded(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 201 Created\r\nX-A: 1\r\n  folded\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    upstream = await scripted(folded)
+    with pytest.raises(UpstreamUnrelayable) as raised:
+        await get(pools(upstream.url))
+    assert raised.value.status == 201 and "not valid HTTP/1.1" in str(raised.value)
+
+
 async def test_trailers_are_not_counted_as_the_head_nor_kept(
     scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
 ) -> None:
@@ -585,7 +627,8 @@ async def test_a_deadline_spent_before_sending_means_nothing_was_sent(
 
 
 @pytest.mark.parametrize("codings", [b"chunked, gzip", b"gzip, chunked", b"gzip\r\nTransfer-Encoding: chunked",
-                                     b"gzip", b"chunked,", b"chunked\t", b"chunked , ", b"identity"])
+                                     b"gzip", b"chunked,", b"chunked\t", b"chunked , ", b"identity",
+                                     "chun\u212aed".encode()])  # (a Kelvin sign: Python lower-cases it to k)
 async def test_a_transfer_coding_other_than_chunked_is_refused_with_the_answers_status(
     scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool], codings: bytes
 ) -> None:
