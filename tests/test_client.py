@@ -167,6 +167,17 @@ async def get(pool: ConnectionPool, method: str = "GET", target: str = "/",
     return response, data
 
 
+async def endless_line(start: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Write ``start``, then three times MAX_HEAD of a line that never ends, and hold it open until the client
+    cuts the connection (within 30 s)."""
+    writer.write(start)
+    for _ in range(3 * MAX_HEAD // 4096):
+        writer.write(b"l" * 4096)
+        await writer.drain()
+    with contextlib.suppress(ConnectionError):
+        await asyncio.wait_for(reader.read(), 30)
+
+
 async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
     """Wait for something the event loop will do (a FIN processed, a connection counted), within a bound."""
     async with asyncio.timeout(timeout):
@@ -446,12 +457,7 @@ async def test_an_answer_head_is_read_up_to_max_head_and_no_further(
             writer.write(b"HTTP/1.1 103 Early Hints\r\n" + line * (fitting + 2) + b"\r\n")
         writer.write(b"HTTP/1.1 201 Created\r\n")
         if shape == "one-endless-line":
-            writer.write(b"X-Endless: ")
-            for _ in range(3 * MAX_HEAD // 4096):
-                writer.write(b"b" * 4096)
-                await writer.drain()
-            with contextlib.suppress(ConnectionError):  # (holds the line open until the client cuts it)
-                await asyncio.wait_for(reader.read(), 30)
+            await endless_line(b"X-Endless: ", reader, writer)
             return False
         writer.write(line * (fitting + (2 if shape == "many-lines" else 0)) + b"Content-Length: 2\r\n\r\nok")
         return True
@@ -501,12 +507,8 @@ async def test_a_trailer_line_that_never_ends_is_cut_at_max_head_with_the_answer
     """httptools buffers a trailer line by ``bytes +=`` until it ends (time growing as its square: 40 MB took
     6 s of the event loop, every other request stalled behind it) and it was bounded by nothing."""
     async def endless(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        writer.write(b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-T: ")
-        for _ in range(3 * MAX_HEAD // 4096):
-            writer.write(b"t" * 4096)
-            await writer.drain()
-        with contextlib.suppress(ConnectionError):  # (holds the line open until the client cuts it)
-            await asyncio.wait_for(reader.read(), 30)
+        await endless_line(b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-T: ",
+                           reader, writer)
         return False
 
     upstream = await scripted(endless)
