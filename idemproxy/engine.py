@@ -30,7 +30,7 @@ from typing import Literal, TypeVar
 from aiohttp import web
 from multidict import CIMultiDict
 
-from idemproxy.client import UpstreamResponse
+from idemproxy.client import UpstreamResponse, UpstreamUnrelayable
 from idemproxy.config import TENANT_MAX_BYTES, AmbiguousPath, Config, IdempotencyConfig, lease_margin
 from idemproxy.fingerprint import Fingerprinter
 from idemproxy.metrics import Metrics, adder
@@ -500,7 +500,7 @@ class Engine:
                 # The budget bounds the exchange and the body's reads; spent before a byte left, the key is
                 # released as "nothing sent" (UpstreamUnreachable), after, the outcome is unknown.
                 upstream = await ex.upstream.send(request, headers, body, timeout=budget)
-                head, complete = await read_at_most(upstream, idem.max_stored_response)
+                head, complete = await _read_answer(upstream, idem.max_stored_response)
                 if complete:
                     upstream.release()  # read whole: its connection serves others while the answer is stored
                 span.set_attribute(HTTP_STATUS, upstream.status)
@@ -699,6 +699,19 @@ def problem_response(problem: Problem, request_id: str = "") -> StoredResponse:
     if request_id:
         headers += (("Original-Request-Id", request_id),)
     return StoredResponse(status=problem.status, headers=headers, body=response.body)
+
+
+async def _read_answer(upstream: UpstreamResponse, limit: int) -> tuple[bytes, bool]:
+    """``read_at_most``, for an answer whose head came: the upstream answered with its status, and a body lost
+    after it is no unknown outcome (guarantee 1 forwards again only then). The status settles the key, as for any
+    answer the proxy cannot relay."""
+    try:
+        return await read_at_most(upstream, limit)
+    except (ConnectionError, TimeoutError) as exc:
+        if isinstance(exc, UpstreamUnrelayable):
+            raise
+        what = "a body that stalled" if isinstance(exc, TimeoutError) else "a body that broke off"
+        raise UpstreamUnrelayable(upstream.status, what) from exc
 
 
 def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:

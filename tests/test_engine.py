@@ -509,6 +509,34 @@ async def test_an_answer_in_a_transfer_coding_other_than_chunked_is_settled_by_i
     assert upstream.count(key="coded") == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_an_answer_whose_body_breaks_off_after_its_head_is_settled_by_its_status(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    """The head came, so the upstream answered: only the body was lost. That used to be an unknown outcome
+    (502 upstream_reset, the lease kept), and a retry after the lease executed the charge a second time; guarantee
+    1 forwards again only when the outcome stayed unknown."""
+    proxy = await make_proxy(backend, upstream={"timeout": "1s"}, idempotency={"lease": "10s"})
+    cut = {"X-Test-Cut": "1"}
+    first, body = await proxy.post("/v1/charges", key="cut-201", body=CHARGE, headers=cut)
+    assert first.status == 502 and problem(body)["code"] == "upstream_reset"
+    assert problem(body)["original_status"] == 201 and "broke off" in problem(body)["detail"]
+    again, body = await proxy.post("/v1/charges", key="cut-201", body=CHARGE, headers=cut)
+    assert again.status == 502 and problem(body)["code"] == "response_not_replayable"
+    assert upstream.count(key="cut-201") == 1
+    stalled, body = await proxy.post("/v1/charges", key="stall-201", body=CHARGE,
+                                     headers={"X-Test-Trickle": "3,2"})  # a chunk, then 2 s of silence: past 1 s
+    assert stalled.status == 502 and problem(body)["original_status"] == 201 and "stalled" in problem(body)["detail"]
+    again, body = await proxy.post("/v1/charges", key="stall-201", body=CHARGE)
+    assert again.status == 502 and problem(body)["code"] == "response_not_replayable"
+    assert upstream.count(key="stall-201") == 1
+    released, body = await proxy.post("/v1/charges", key="cut-429", body=CHARGE,
+                                      headers={**cut, "X-Test-Status": "429"})
+    assert released.status == 502 and problem(body)["original_status"] == 429
+    await proxy.post("/v1/charges", key="cut-429", body=CHARGE)  # a release status: released, so executed again
+    assert upstream.count(key="cut-429") == 2
+
+
 async def test_an_unknown_outcome_with_a_head_too_large_keeps_the_lease_and_pass_through_gets_502(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:

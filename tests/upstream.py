@@ -15,6 +15,7 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-Interim: 1          send interim answers first: a 100 nobody asked for, then a 103 Early Hints
                              (101: a 101 Switching Protocols instead)
   X-Test-Coding: codings     answer with a chunked body under "Transfer-Encoding: <codings>" (raw bytes), then close
+  X-Test-Cut: 1              answer with a head declaring 10 bytes of body, send 4 and close (raw bytes)
   X-Test-Head: bytes         answer with about this many bytes of extra headers (X-Head-0, X-Head-1, ... of 4 KiB)
 The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them;
 /stream/broken?size=N declares N bytes and hangs up halfway.
@@ -84,8 +85,8 @@ class RecordingUpstream:
             request.transport.close()
             return web.Response()
         status = int(h.get("X-Test-Status", "201" if request.method == "POST" else "200"))
-        if "X-Test-Coding" in h:
-            return await self.coded(request, status, h["X-Test-Coding"])
+        if "X-Test-Coding" in h or "X-Test-Cut" in h:
+            return await self.raw(request, status, h.get("X-Test-Coding"))
         headers = {"X-Upstream-Serial": str(serial), "X-Custom": "kept"}
         if "X-Test-Hop" in h:  # hop-by-hop headers the proxy must not pass on
             headers.update({"Connection": "X-Up-Private", "X-Up-Private": "1", "Keep-Alive": "timeout=5"})
@@ -117,10 +118,14 @@ class RecordingUpstream:
                                        b"X-Hop: 1\r\nKeep-Alive: timeout=5\r\n\r\n")
 
     @staticmethod
-    async def coded(request: web.Request, status: int, codings: str) -> web.StreamResponse:
-        """A chunked answer under other codings too, written raw (aiohttp's server names chunked alone)."""
-        await request.writer.write(b"HTTP/1.1 %d Done\r\nTransfer-Encoding: %s\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
-                                   % (status, codings.encode()))
+    async def raw(request: web.Request, status: int, codings: str | None) -> web.StreamResponse:
+        """Written raw, then the connection closed: a chunked answer under other codings too (aiohttp's server
+        names chunked alone), or (no codings) an answer whose body breaks off after 4 of its 10 bytes."""
+        if codings is None:
+            await request.writer.write(b"HTTP/1.1 %d Done\r\nContent-Length: 10\r\n\r\nhalf" % status)
+        else:
+            await request.writer.write(b"HTTP/1.1 %d Done\r\nTransfer-Encoding: %s\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+                                       % (status, codings.encode()))
         assert request.transport is not None
         request.transport.close()
         return web.Response()
