@@ -210,10 +210,10 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamProtocolError("The upstream switched protocols, which a proxied request cannot."))
         except httptools.HttpParserError as exc:
             raised = exc.__context__  # (what one of our callbacks raised, if it was one: on_header's count)
-            status = parser.get_status_code()
+            status = self._final_status()
             if isinstance(raised, UpstreamUnrelayable):
                 self._fail(raised)
-            elif self._response is None and status >= 200:  # the status came: it answered, in a broken head
+            elif status:  # the status came: it answered, in a broken head
                 self._fail(UpstreamUnrelayable(status, f"a head that is not valid HTTP/1.1 ({exc})"))
             else:
                 self._fail(UpstreamProtocolError(f"The upstream's answer is not valid HTTP/1.1: {exc!r}"))
@@ -228,13 +228,24 @@ class _Connection(asyncio.Protocol):
             self._complete = True  # an answer without length ends where the connection does
             self._keep_alive = False
         elif not self._complete or self._response is None:
-            self._set_exception(UpstreamDisconnected("The upstream closed the connection before a full answer."))
+            status = self._final_status()
+            self._set_exception(UpstreamUnrelayable(status, "a head cut short") if status else UpstreamDisconnected(
+                "The upstream closed the connection before a full answer."))
         self._wake()
         drain, self._drain = self._drain, None
         if drain is not None and not drain.done():
             drain.set_result(None)  # (the writer sees ``lost`` next; nobody may be awaiting this one)
         if not self._busy:
             self.pool.forget_idle(self)
+
+    def _final_status(self) -> int:
+        """The final answer's status while its head is incomplete, once its status line came whole (a reason
+        phrase or a header followed the code: "HTTP/1.1 2000" stops llhttp at 200); else 0."""
+        parser = self._parser
+        if parser is None or self._response is not None or not (self._reason or self._headers):
+            return 0
+        status = parser.get_status_code()
+        return status if status >= 200 else 0
 
     def pause_writing(self) -> None:
         if self._drain is None:
@@ -253,6 +264,7 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._reason = b""
         self._head_size = 0
+        self._lines = True
 
     def on_status(self, status: bytes) -> None:
         self._reason += status
@@ -262,6 +274,8 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._response is not None:  # a trailer field, after a chunked body: never passed on, so not kept
+            if len(name) + len(value) > MAX_HEAD:  # (one that came whole in one read: as data_received's bound)
+                raise UpstreamUnrelayable(self._response.status, f"a trailer line longer than {MAX_HEAD // 1024} KiB")
             return
         self._head_size += len(name) + len(value) + 4  # (inline: a call per header is a cost on every answer)
         if self._head_size > MAX_HEAD:
@@ -315,6 +329,8 @@ class _Connection(asyncio.Protocol):
         self._line = 0
 
     def on_body(self, body: bytes) -> None:
+        if self._response is None:  # llhttp frames a body for a 1xx answer with a length: no 1xx has one
+            raise UpstreamProtocolError("The upstream sent a 1xx answer with a body.")  # (RFC 9110 15.2)
         self._lines = False
         if self._complete:  # a body after a HEAD answer: not for anyone, and the framing is off from here
             self._clean = False

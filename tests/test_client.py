@@ -539,6 +539,45 @@ async def test_a_head_broken_after_its_status_line_is_refused_with_that_status(
     assert raised.value.status == 201 and "not valid HTTP/1.1" in str(raised.value)
 
 
+@pytest.mark.parametrize(("answer", "status"), [
+    (b"HTTP/1.1 201 Created\r\n", 201),  # the status line whole, then the connection closed
+    (b"HTTP/1.1 201 Created\r\nX-A: 1\r\nX-B: 2", 201),  # cut inside a header line
+    (b"HTTP/1.1 201", 0),  # the status line not whole: no answer to speak of
+    (b"HTTP/1.1 2000 OK\r\nContent-Length: 2\r\n\r\nok", 0),  # llhttp stops at 200: not the upstream's status
+    (b"HTTP/1.1 199 Hint\r\nContent-Length: 5\r\n\r\nEVIL!HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok", 0),
+])
+async def test_a_head_that_never_came_whole_names_the_status_only_once_its_status_line_did(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool],
+    answer: bytes, status: int
+) -> None:
+    """A head cut short after its status line is an answer (settled by that status); one cut before it, or a
+    status llhttp read off a broken line, is no answer (an unknown outcome). A 1xx answer with a body (llhttp
+    frames one by Content-Length) is broken framing: its body used to be put in front of the final answer's
+    ("EVIL!ok", stored and replayed so)."""
+    async def cut(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(answer)
+        return False
+
+    upstream = await scripted(cut)
+    with pytest.raises((UpstreamProtocolError, UpstreamDisconnected)) as raised:
+        await get(pools(upstream.url))
+    assert (raised.value.status if isinstance(raised.value, UpstreamUnrelayable) else 0) == status, raised.value
+
+
+async def test_a_trailer_line_over_max_head_is_refused_however_it_arrives(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    async def long_trailer(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+                     b"X-T: " + b"t" * (MAX_HEAD + 5000) + b"\r\n\r\n")  # whole, in one write
+        return True
+
+    upstream = await scripted(long_trailer)
+    with pytest.raises(UpstreamUnrelayable) as raised:
+        await get(pools(upstream.url))
+    assert raised.value.status == 201 and "trailer line" in str(raised.value)
+
+
 async def test_trailers_are_not_counted_as_the_head_nor_kept(
     scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
 ) -> None:
