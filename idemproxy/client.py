@@ -210,7 +210,7 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamProtocolError("The upstream switched protocols, which a proxied request cannot."))
         except httptools.HttpParserError as exc:
             raised = exc.__context__  # (what one of our callbacks raised, if it was one: on_header's count)
-            status = self._final_status()
+            status = self._final_status(exc)
             if isinstance(raised, UpstreamUnrelayable):
                 self._fail(raised)
             elif status:  # the status came: it answered, in a broken head
@@ -238,14 +238,23 @@ class _Connection(asyncio.Protocol):
         if not self._busy:
             self.pool.forget_idle(self)
 
-    def _final_status(self) -> int:
-        """The final answer's status while its head is incomplete, once its status line came whole (a reason
-        phrase or a header followed the code: "HTTP/1.1 2000" stops llhttp at 200); else 0."""
+    def _final_status(self, error: Exception | None = None) -> int:
+        """The final answer's status while its head is incomplete, once its code came whole (followed by a space
+        or a line break: "HTTP/1.1 2000" stops llhttp at 200, "HTTP/1.1 201" may go on); else 0. ``error``: what
+        stopped llhttp, if it did."""
         parser = self._parser
-        if parser is None or self._response is not None or not (self._reason or self._headers):
+        if parser is None or self._response is not None:
             return 0
         status = parser.get_status_code()
-        return status if status >= 200 else 0
+        if status < 200:
+            return 0
+        if error is not None:  # only an error in the code itself leaves it in doubt
+            return 0 if isinstance(error, httptools.HttpParserInvalidStatusError) else status
+        try:  # the connection ended mid-head: one more byte errs only while the code is not yet delimited
+            parser.feed_data(b"X")
+        except httptools.HttpParserError:
+            return 0
+        return status
 
     def pause_writing(self) -> None:
         if self._drain is None:

@@ -542,7 +542,12 @@ async def test_a_head_broken_after_its_status_line_is_refused_with_that_status(
 @pytest.mark.parametrize(("answer", "status"), [
     (b"HTTP/1.1 201 Created\r\n", 201),  # the status line whole, then the connection closed
     (b"HTTP/1.1 201 Created\r\nX-A: 1\r\nX-B: 2", 201),  # cut inside a header line
-    (b"HTTP/1.1 201", 0),  # the status line not whole: no answer to speak of
+    (b"HTTP/1.1 201 \r\nX-A: 1\r\n", 201),  # an empty reason phrase, one header line whole
+    (b"HTTP/1.1 201\r\n", 201),  # no reason phrase at all
+    (b"HTTP/1.1 201 ", 201),  # the code delimited by its space
+    (b"HTTP/1.1 201\r\nbad\r\n\r\n", 201),  # a broken head after a code with no reason phrase
+    (b"HTTP/1.1 201", 0),  # the code not delimited: "2010" could follow
+    (b"HTTP/1.1 201X\r\n\r\n", 0),
     (b"HTTP/1.1 2000 OK\r\nContent-Length: 2\r\n\r\nok", 0),  # llhttp stops at 200: not the upstream's status
     (b"HTTP/1.1 199 Hint\r\nContent-Length: 5\r\n\r\nEVIL!HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok", 0),
 ])
