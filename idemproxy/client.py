@@ -57,10 +57,11 @@ class UpstreamProtocolError(ConnectionError):
 
 
 class UpstreamUnrelayable(UpstreamProtocolError):
-    """The upstream answered in a form no proxy should pass on: a status line and headers larger than
-    ``MAX_HEAD`` (not read on), or a transfer coding other than chunked (which the proxy would pass on undecoded
-    and unnamed, as nginx refuses to). ``status`` is the final answer's status (0 when the head that overflowed
-    was a 1xx answer's, or its status line was never whole); ``what`` says what was wrong with it."""
+    """The upstream answered, in a form the proxy does not pass on: a head or a trailer line larger than
+    ``MAX_HEAD`` (not read on), a transfer coding other than chunked (it would pass on undecoded and unnamed, as
+    nginx refuses to), a head broken or cut after its status code came whole (or, raised by the engine, a body
+    lost after a whole head). ``status`` is the final answer's status (0 when there is none: the head that
+    overflowed was a 1xx answer's, or its code never came whole); ``what`` says what was wrong with it."""
 
     def __init__(self, status: int, what: str) -> None:
         super().__init__(f"The upstream answered with {what}.")
@@ -142,8 +143,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "_body", "_body_sent", "_buffered", "_busy", "_clean", "_complete", "_deadline", "_discarded", "_drain",
         "_exc", "_head_only", "_head_size", "_headers", "_interim", "_keep_alive", "_line", "_lines", "_parser",
-        "_paused",
-        "_read_timeout", "_reason", "_response", "_until_eof", "_waiter", "_writer", "_written",
+        "_paused", "_read_timeout", "_reason", "_response", "_until_eof", "_waiter", "_writer", "_written",
         "idle_limit", "idle_since", "loop", "lost", "pool", "transport",
     )
 

@@ -498,7 +498,8 @@ class Engine:
         try:
             with self.tracer.span("idemproxy.forward", client=True) as span, upstream_errors():
                 # The budget bounds the exchange and the body's reads; spent before a byte left, the key is
-                # released as "nothing sent" (UpstreamUnreachable), after, the outcome is unknown.
+                # released as "nothing sent" (UpstreamUnreachable), after, the outcome is unknown until the
+                # answer's status came (then it settles the key, whatever is lost after it: _read_answer).
                 upstream = await ex.upstream.send(request, headers, body, timeout=budget)
                 head, complete = await _read_answer(upstream, idem.max_stored_response)
                 if complete:
