@@ -37,6 +37,7 @@ KEEPALIVE = 30.0  # an idle pooled connection older than this is closed rather t
 KEEPALIVE_MARGIN = 1.0  # below the upstream's own ``Keep-Alive: timeout=N``, so it never closes one as we send
 _ONE_WRITE = 64 * 1024  # a body up to this size goes out in the same write as the head
 MAX_HEAD = 64 * 1024  # an answer's status line and header section, in bytes (Envoy's default is 60 KiB)
+MAX_INTERIM = 100  # 1xx answers before the final one (Ruby's net-http stops at 100 too; no upstream needs more)
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 Interim = Callable[[int, bytes, list[tuple[str, str]]], None]
@@ -142,8 +143,8 @@ class _Connection(asyncio.Protocol):
     # every attribute access on this, the hottest object of a forward, costs more (1 % of a plain request).
     __slots__ = (
         "_body", "_body_sent", "_buffered", "_busy", "_clean", "_complete", "_deadline", "_discarded", "_drain",
-        "_exc", "_head_only", "_head_size", "_headers", "_interim", "_keep_alive", "_line", "_lines", "_parser",
-        "_paused", "_read_timeout", "_reason", "_response", "_until_eof", "_waiter", "_writer", "_written",
+        "_exc", "_head_only", "_head_size", "_headers", "_interim", "_interims", "_keep_alive", "_line", "_lines",
+        "_parser", "_paused", "_read_timeout", "_reason", "_response", "_until_eof", "_waiter", "_writer", "_written",
         "idle_limit", "idle_since", "loop", "lost", "pool", "transport",
     )
 
@@ -165,6 +166,7 @@ class _Connection(asyncio.Protocol):
         self._parser: httptools.HttpResponseParser | None = None
         self._head_only = False
         self._interim: Interim | None = None  # who is given the exchange's 1xx answers (none: they are dropped)
+        self._interims = 0  # 1xx answers in this exchange so far
         self._reason = b""
         self._headers: list[tuple[str, str]] = []
         self._head_size = 0  # bytes of the answer's head so far (a 1xx answer's head counts on its own)
@@ -211,7 +213,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             raised = exc.__context__  # (what one of our callbacks raised, if it was one: on_header's count)
             status = self._final_status(exc)
-            if isinstance(raised, UpstreamUnrelayable):
+            if isinstance(raised, UpstreamProtocolError):  # (an UpstreamUnrelayable names its status)
                 self._fail(raised)
             elif status:  # the status came: it answered, in a broken head
                 self._fail(UpstreamUnrelayable(status, f"a head that is not valid HTTP/1.1 ({exc})"))
@@ -300,10 +302,14 @@ class _Connection(asyncio.Protocol):
         assert parser is not None
         status = parser.get_status_code()
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the final one follows
+            self._interims += 1
+            if self._interims > MAX_INTERIM:  # each is bounded; so is their number (an endless stream of them)
+                raise UpstreamProtocolError(f"The upstream sent more than {MAX_INTERIM} 1xx answers to one request.")
             # (a 100 is this hop's: the proxy answers Expect; a 101 is refused below: the proxy sends no Upgrade)
             if self._interim is not None and status != 100 and status != 101:
                 self._interim(status, self._reason, self._headers)
-            self._wake()  # (and the wait for it starts again)
+            # The waiter is not woken: a 1xx answer is no answer, and the read timeout goes on running for the
+            # final one (a 1xx now and then would hold the request open for ever).
             return
         self._interim = None  # (the final answer: nothing more to hand on, nor a request to hold on to)
         self._lines = False  # (a body follows, if any; a chunked one's trailer section is lines again)
@@ -374,6 +380,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._line = 0
         self._lines = True
+        self._interims = 0
         self._head_only = method == "HEAD"
         self._interim = interim
         self._read_timeout = read_timeout

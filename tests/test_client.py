@@ -21,6 +21,7 @@ from idemproxy.client import (
     HIGH_WATER,
     KEEPALIVE,
     MAX_HEAD,
+    MAX_INTERIM,
     ConnectionPool,
     UpstreamConnectError,
     UpstreamDisconnected,
@@ -499,6 +500,52 @@ async def test_interim_answers_each_within_max_head_pass_however_their_bytes_arr
     upstream = await scripted(hinted)
     response, body = await get(pools(upstream.url))
     assert (response.status, body) == (201, b"ok")
+
+
+async def test_interim_answers_do_not_hold_off_the_read_timeout(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
+) -> None:
+    """A 1xx answer is no answer: each used to start the wait for the final one again, so an upstream sending a
+    103 every so often held the request open for ever (a pass-through has no deadline but the read timeout)."""
+    async def hinting(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        while True:  # a 103 every 100 ms, never the answer (until the client hangs up)
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    upstream = await scripted(hinting)
+    hints: list[int] = []
+    pool = pools(upstream.url, read_timeout=1.0)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(UpstreamReadTimeout):
+        await asyncio.wait_for(pool.request("GET", "/", CIMultiDict(), None,
+                                            interim=lambda status, reason, headers: hints.append(status)), 10.0)
+    assert asyncio.get_running_loop().time() - started < 3.0
+    assert len(hints) >= 5  # (they were relayed meanwhile)
+    await until(lambda: upstream.open_now == 0)
+
+
+@pytest.mark.parametrize("count", [MAX_INTERIM, MAX_INTERIM + 1])
+async def test_the_number_of_interim_answers_is_bounded(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool], count: int
+) -> None:
+    """Each 1xx head is bounded by MAX_HEAD; their number was not. Past MAX_INTERIM the answer is broken, with
+    no final status: an outcome unknown, and the socket is cut."""
+    async def hinted(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n" * count
+                     + b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    upstream = await scripted(hinted)
+    pool = pools(upstream.url)
+    if count <= MAX_INTERIM:
+        response, body = await get(pool)
+        assert (response.status, body) == (201, b"ok")
+        return
+    with pytest.raises(UpstreamProtocolError) as raised:
+        await get(pool)
+    assert not isinstance(raised.value, UpstreamUnrelayable) and f"more than {MAX_INTERIM} 1xx" in str(raised.value)
+    await until(lambda: upstream.open_now == 0)
 
 
 async def test_a_trailer_line_that_never_ends_is_cut_at_max_head_with_the_answers_status(

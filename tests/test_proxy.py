@@ -427,6 +427,23 @@ async def test_interim_answers_are_forwarded_on_pass_through_only(
     assert upstream.count(path="/hinted") == 5
 
 
+async def test_interim_answers_without_an_end_are_504_within_the_upstream_timeout(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """An upstream sending a 103 every 100 ms and never its answer held a pass-through open for as long as it went
+    on (each 1xx started the read timeout again). Now the timeout runs for the final answer; the hints before it
+    were relayed as they came."""
+    proxy = await make_proxy("embedded", upstream={"timeout": "1s"})
+    started = asyncio.get_running_loop().time()
+    answer = await send_raw_bytes(proxy.url, b"GET /hinting HTTP/1.1\r\nHost: x\r\nX-Test-Interim: hints\r\n"
+                                             b"Connection: close\r\n\r\n")
+    assert asyncio.get_running_loop().time() - started < 4.0
+    assert answer.startswith(b"HTTP/1.1 103 Early Hints\r\n") and answer.count(b"HTTP/1.1 103 ") >= 5, answer
+    final = answer[answer.rindex(b"HTTP/1.1 "):]
+    assert final.startswith(b"HTTP/1.1 504 ") and b'"upstream_timeout"' in final, final
+    assert upstream.count(path="/hinting") == 1
+
+
 async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
