@@ -37,7 +37,7 @@ KEEPALIVE = 30.0  # an idle pooled connection older than this is closed rather t
 KEEPALIVE_MARGIN = 1.0  # below the upstream's own ``Keep-Alive: timeout=N``, so it never closes one as we send
 _ONE_WRITE = 64 * 1024  # a body up to this size goes out in the same write as the head
 MAX_HEAD = 64 * 1024  # an answer's status line and header section, in bytes (Envoy's default is 60 KiB)
-MAX_INTERIM = 100  # 1xx answers before the final one (Ruby's net-http stops at 100 too; no upstream needs more)
+MAX_INTERIM = 100  # 1xx answers before the final one (Go's client stops at 5 where it drops them; these are relayed)
 _NO_BODY_STATUSES = frozenset({204, 304})
 
 Interim = Callable[[int, bytes, list[tuple[str, str]]], None]
@@ -75,8 +75,9 @@ def _head_too_large(status: int) -> UpstreamUnrelayable:
 
 
 class UpstreamReadTimeout(TimeoutError):
-    """The upstream sent nothing for ``timeout`` seconds while an answer was awaited (or the caller's deadline
-    passed after the request was sent)."""
+    """No final answer's head, or none of the body awaited, came within ``timeout`` seconds (1xx answers do not
+    count; a streamed upload still moving starts the wait again), or the caller's deadline passed after the
+    request was sent."""
 
 
 class HeaderInjection(ValueError):
@@ -305,6 +306,8 @@ class _Connection(asyncio.Protocol):
             self._interims += 1
             if self._interims > MAX_INTERIM:  # each is bounded; so is their number (an endless stream of them)
                 raise UpstreamProtocolError(f"The upstream sent more than {MAX_INTERIM} 1xx answers to one request.")
+            if not parser.should_keep_alive():  # a 1xx saying close: the final answer is read, the connection not kept
+                self._clean = False
             # (a 100 is this hop's: the proxy answers Expect; a 101 is refused below: the proxy sends no Upgrade)
             if self._interim is not None and status != 100 and status != 101:
                 self._interim(status, self._reason, self._headers)
@@ -381,6 +384,10 @@ class _Connection(asyncio.Protocol):
         self._line = 0
         self._lines = True
         self._interims = 0
+        # A 1xx answer saying "Connection: close" (or an HTTP/1.0 one) made llhttp refuse every byte after it, the
+        # final answer too: an answer the upstream gave was lost (an unknown outcome, run again after the lease).
+        # The final answer's own Connection header still decides whether the connection is kept.
+        self._parser.set_dangerous_leniencies(lenient_keep_alive=True)
         self._head_only = method == "HEAD"
         self._interim = interim
         self._read_timeout = read_timeout
@@ -571,7 +578,7 @@ def _keep_alive_timeout(hint: str) -> float:
 
 def _time_out(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
-        waiter.set_exception(UpstreamReadTimeout("The upstream sent nothing in time."))
+        waiter.set_exception(UpstreamReadTimeout("The upstream's answer did not come in time."))
 
 
 class ConnectionPool:

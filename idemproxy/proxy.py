@@ -22,6 +22,7 @@ from idemproxy.client import (
     HeaderInjection,
     Interim,
     UpstreamConnectError,
+    UpstreamProtocolError,
     UpstreamResponse,
     UpstreamUnrelayable,
 )
@@ -228,6 +229,8 @@ class _UpstreamErrors:
             answered = f" {exc.status}" if exc.status else ""
             raise UpstreamAnswerRefused(f"The upstream answered{answered} with {exc.what}, which the proxy does not "
                                         "relay.", exc.status) from exc
+        if isinstance(exc, UpstreamProtocolError):  # (its message is the client's own: what broke, no address)
+            raise UpstreamReset(f"The upstream connection broke before a full answer. {exc}") from exc
         if isinstance(exc, aiohttp.ClientError | OSError):  # (aiohttp's: a client's streamed body that broke)
             raise UpstreamReset("The upstream connection broke before a full answer.") from exc
 

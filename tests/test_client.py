@@ -548,6 +548,25 @@ async def test_the_number_of_interim_answers_is_bounded(
     await until(lambda: upstream.open_now == 0)
 
 
+@pytest.mark.parametrize("interim", [b"HTTP/1.1 103 Early Hints\r\nConnection: close\r\n\r\n",
+                                     b"HTTP/1.0 103 Early Hints\r\n\r\n"])
+async def test_the_answer_after_a_1xx_saying_close_is_read_and_the_connection_not_kept(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool], interim: bytes
+) -> None:
+    """llhttp took a 1xx answer's ``Connection: close`` (or its HTTP/1.0) as the end of the connection and refused
+    the final answer after it: an upstream that answered 201 looked like one whose outcome was unknown."""
+    async def hinted(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(interim + b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    upstream = await scripted(hinted)
+    pool = pools(upstream.url)
+    for _ in range(2):
+        response, body = await get(pool)
+        assert (response.status, body) == (201, b"ok")
+    assert upstream.connections == 2  # (the 1xx said close: the connection was not kept, though the 201 did not)
+
+
 async def test_a_trailer_line_that_never_ends_is_cut_at_max_head_with_the_answers_status(
     scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool]
 ) -> None:

@@ -444,6 +444,35 @@ async def test_interim_answers_without_an_end_are_504_within_the_upstream_timeou
     assert upstream.count(path="/hinting") == 1
 
 
+async def test_more_than_100_interim_answers_are_a_broken_answer_and_the_detail_says_so(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    proxy = await make_proxy("embedded")
+    answer = await send_raw_bytes(proxy.url, b"GET /flood HTTP/1.1\r\nHost: x\r\nX-Test-Interim: flood\r\n"
+                                             b"Connection: close\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 103 ") == 100, answer[:200]  # (relayed as they came, up to the limit)
+    final = answer[answer.rindex(b"HTTP/1.1 "):]
+    assert final.startswith(b"HTTP/1.1 502 "), final
+    problem = json.loads(final.partition(b"\r\n\r\n")[2])
+    assert problem["code"] == "upstream_reset" and "more than 100 1xx answers" in problem["detail"], problem
+    assert upstream.count(path="/flood") == 1
+
+
+async def test_a_covered_answer_after_a_1xx_saying_close_is_stored_and_replayed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """llhttp refused every byte after a 1xx answer saying ``Connection: close``, the final 201 too: the charge
+    was made, the client got 502 and (``on_unknown_outcome: release``) its retry made it again."""
+    proxy = await make_proxy("embedded", idempotency={"on_unknown_outcome": "release"})
+    headers = {"X-Test-Interim": "close"}
+    first, first_body = await proxy.post("/v1/charges", key="close-1", body={"amount": 1}, headers=headers)
+    again, again_body = await proxy.post("/v1/charges", key="close-1", body={"amount": 1}, headers=headers)
+    assert (first.status, again.status) == (201, 201), first_body
+    assert first.headers["Idempotent-Replayed"] == "false" and again.headers["Idempotent-Replayed"] == "true"
+    assert again_body == first_body
+    assert upstream.count(key="close-1") == 1
+
+
 async def test_an_unknown_expectation_is_417_and_an_http_1_0_expect_is_ignored(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
