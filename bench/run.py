@@ -15,7 +15,8 @@ the bench's own, so their CPU can be read alone). `wrk -t2 -c50` drives each tar
   embedded    idemproxy on the embedded store, new keys
 
 For each: req/s and its ratio to the reference in the same round (median over rounds), wrk's p50/p99, CPU per
-request of the proxy process (utime+stime from /proc) and of the stores, and its ratio to the reference. Then
+request of the proxy process (utime+stime from /proc) and its ratio to the reference, of Redis and of PostgreSQL,
+and of the whole machine ("box": every busy jiffy in /proc/stat, whoever spent it). Then
 an open-loop client at 200 req/s measures the latency each path adds over calling the upstream directly.
 Everything shares 2 cores here: compare ratios, not absolute figures.
 """
@@ -89,6 +90,13 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def box_seconds() -> float:
+    """CPU time the whole machine spent busy (every core, every process, the kernel), from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / TICK
+
+
 def pids_named(*names: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -110,8 +118,10 @@ class Target:
     rounds: list[dict[str, float]] = field(default_factory=list)
 
 
-def run_wrk(target: Target, seconds: float, script: Path, store_pids: list[int]) -> dict[str, float]:
-    before, store_before = cpu_seconds(target.pids()), cpu_seconds(store_pids)
+def run_wrk(target: Target, seconds: float, script: Path, store_pids: dict[str, list[int]]) -> dict[str, float]:
+    redis_pids, pg_pids = store_pids.get("redis", []), store_pids.get("postgres", [])
+    before, box_before = cpu_seconds(target.pids()), box_seconds()
+    redis_before, pg_before = cpu_seconds(redis_pids), cpu_seconds(pg_pids)
     result = subprocess.run(
         ["wrk", "-t2", "-c50", f"-d{seconds:g}s", "--latency", "-s", str(script), target.url, "--",
          target.mode, uuid.uuid4().hex[:8]],
@@ -120,7 +130,8 @@ def run_wrk(target: Target, seconds: float, script: Path, store_pids: list[int])
     if result.stderr:
         print(f"{target.name}: first non-2xx answer: {result.stderr.strip()[:300]}")
     out = result.stdout
-    cpu, store_cpu = cpu_seconds(target.pids()) - before, cpu_seconds(store_pids) - store_before
+    cpu, box = cpu_seconds(target.pids()) - before, box_seconds() - box_before
+    redis_cpu, pg_cpu = cpu_seconds(redis_pids) - redis_before, cpu_seconds(pg_pids) - pg_before
     requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return {
@@ -128,7 +139,10 @@ def run_wrk(target: Target, seconds: float, script: Path, store_pids: list[int])
         "p50": _ms(re.search(r"50%\s+([\d.]+\w+)", out).group(1)),  # type: ignore[union-attr]
         "p99": _ms(re.search(r"99%\s+([\d.]+\w+)", out).group(1)),  # type: ignore[union-attr]
         "cpu_us": cpu / requests * 1e6,
-        "store_us": store_cpu / requests * 1e6,
+        "store_us": (redis_cpu + pg_cpu) / requests * 1e6,
+        "redis_us": redis_cpu / requests * 1e6,
+        "pg_us": pg_cpu / requests * 1e6,
+        "box_us": box / requests * 1e6,
         "bad": float(non_2xx.group(1)) if non_2xx else 0.0,
     }
 
@@ -186,26 +200,27 @@ def process(*argv: str, port: int, quiet: bool = False) -> Iterator[subprocess.P
         proc.wait(10)
 
 
-async def stores(workdir: Path) -> tuple[dict[str, Any], list[int], Callable[[], None]]:
+async def stores(workdir: Path) -> tuple[dict[str, Any], dict[str, list[int]], Callable[[], None]]:
     """Redis and PostgreSQL sections; the pids whose CPU counts as the stores'; a cleanup."""
     owned: list[Any] = []
     redis_url, pg_admin = os.environ.get("IDEMPROXY_TEST_REDIS_URL"), os.environ.get("IDEMPROXY_TEST_POSTGRES_DSN")
-    store_pids: list[int] = []
+    store_pids: dict[str, list[int]] = {}
     if redis_url is None:
         redis = RedisServer()
         redis.start()
         owned.append(redis)
         redis_url = redis.url
         assert redis.proc is not None
-        store_pids.append(redis.proc.pid)
+        store_pids["redis"] = [redis.proc.pid]
     if pg_admin is None:
         pg = PostgresServer()
         pg.start()
         owned.append(pg)
         pg_admin = pg.admin_dsn
-        store_pids.append(int((pg.data / "postmaster.pid").read_text().split()[0]))
-    if not store_pids:  # shared servers: their CPU includes whatever else runs on them
-        store_pids = pids_named("postgres", "redis-server")
+        store_pids["postgres"] = [int((pg.data / "postmaster.pid").read_text().split()[0])]
+    # shared servers: their CPU includes whatever else runs on them
+    store_pids.setdefault("redis", pids_named("redis-server"))
+    store_pids.setdefault("postgres", pids_named("postgres"))
     database = f"idemproxy_bench_{uuid.uuid4().hex[:8]}"
     conn = await asyncpg.connect(pg_admin)
     await conn.execute(f"CREATE DATABASE {database}")
@@ -276,7 +291,7 @@ def profile(target: Target, seconds: float, script: Path, workdir: Path) -> None
     spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw", "-r", "500",
                             "-o", str(out), "-d", f"{seconds:g}", "-p", str(target.pids()[0])],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target.rounds.append(run_wrk(target, seconds, script, []))  # py-spy's own sampling costs are in this figure
+    target.rounds.append(run_wrk(target, seconds, script, {}))  # py-spy's own sampling costs are in this figure
     spy.wait(seconds + 30)
     own: dict[str, int] = {}
     inclusive: dict[str, int] = {}
@@ -306,7 +321,7 @@ def profile(target: Target, seconds: float, script: Path, workdir: Path) -> None
 
 def report(targets: list[Target], reference: Target) -> None:
     print(f"\n{'target':10} {'req/s':>8} {'x ref':>6} {'p50 ms':>7} {'p99 ms':>7} {'CPU µs/req':>11} "
-          f"{'x ref':>6} {'store µs/req':>13} {'non-2xx':>8}")
+          f"{'x ref':>6} {'Redis µs':>9} {'PG µs':>6} {'box µs/req':>11} {'non-2xx':>8}")
     for target in targets:
         ratios = [r["rps"] / ref["rps"] for r, ref in zip(target.rounds, reference.rounds, strict=True)]
         cpu_ratios = [r["cpu_us"] / ref["cpu_us"] for r, ref in zip(target.rounds, reference.rounds, strict=True)]
@@ -316,7 +331,8 @@ def report(targets: list[Target], reference: Target) -> None:
 
         print(f"{target.name:10} {med('rps'):8.0f} {statistics.median(ratios):6.2f} {med('p50'):7.2f} "
               f"{med('p99'):7.2f} {med('cpu_us'):11.0f} {statistics.median(cpu_ratios):6.2f} "
-              f"{med('store_us'):13.0f} {sum(r['bad'] for r in target.rounds):8.0f}")
+              f"{med('redis_us'):9.0f} {med('pg_us'):6.0f} {med('box_us'):11.0f} "
+              f"{sum(r['bad'] for r in target.rounds):8.0f}")
 
 
 async def main() -> None:
@@ -376,7 +392,7 @@ async def main() -> None:
                     for target in targets:
                         uses_store = target.name in ("first", "replay", "pg-first")
                         target.rounds.append(await asyncio.to_thread(
-                            run_wrk, target, args.seconds, script, store_pids if uses_store else []))
+                            run_wrk, target, args.seconds, script, store_pids if uses_store else {}))
                 print(f"wrk -t2 -c50, {args.seconds:g} s per target, {args.rounds} interleaved rounds, "
                       f"{os.cpu_count()} cores shared by wrk, upstream, proxies and stores")
                 report(targets, reference)
