@@ -348,6 +348,63 @@ async def test_a_lone_call_runs_the_per_key_function_and_decides_as_a_batched_on
         await reopen(clean_pg)
 
 
+async def mixed_claims(store: PostgresStore, dsn: str, prefix: str, *, together: bool) -> list[tuple[object, ...]]:
+    """Every kind of claim at once: new keys, a new key sent twice, and keys whose record is completed, expired,
+    in flight (alive, or lapsed with the same or another payload). ``together``: in one batch (one statement),
+    else one call at a time in the same order. What each call was told."""
+    def key(name: str) -> str:
+        return prefix + name
+
+    done = await store.claim("t", key("done"), FP, lease=30, ttl=60)
+    assert await store.complete(done, OK, ttl=60)
+    expired = await store.claim("t", key("expired"), FP, lease=30, ttl=60)
+    assert await store.complete(expired, OK, ttl=60)
+    conn = await asyncpg.connect(dsn)
+    try:  # its day passed: the record sits in the default partition until a claim replaces it
+        await conn.execute("UPDATE idemproxy_records SET expires_at = now() - interval '2 days' WHERE key = $1",
+                           key("expired"))
+    finally:
+        await conn.close()
+    alive = await store.claim("t", key("alive"), FP, lease=30, ttl=60)
+    lapsed = await store.claim("t", key("lapsed"), FP, lease=0, ttl=60)  # its lease ran out as it was granted
+    other = await store.claim("t", key("other"), FP, lease=0, ttl=60)
+    calls = [("new-1", FP, 60), ("twice", FP, 60), ("done", FP, 60), ("twice", FP, 60), ("expired", FP, 60),
+             ("alive", FP, 60), ("lapsed", FP, 60), ("other", "e" * 64, 60), ("done", "e" * 64, 60),
+             ("new-2", FP, 10)]  # a ttl shorter than the lease: the record lives as long as the lease
+    if together:
+        batches = store._claims.batches
+        claims = await asyncio.gather(*(store.claim("t", key(k), fp, lease=30, ttl=ttl) for k, fp, ttl in calls))
+        assert store._claims.batches == batches + 1  # all ten in one statement
+    else:
+        claims = [await store.claim("t", key(k), fp, lease=30, ttl=ttl) for k, fp, ttl in calls]
+    before = {"done": done, "expired": expired, "alive": alive, "lapsed": lapsed, "other": other}
+    seen: list[tuple[object, ...]] = []
+    for (name, _, _), claim in zip(calls, claims, strict=True):
+        record, earlier = claim.record, before.get(name)
+        seen.append((name, claim.owned, claim.took_over, claim.replaced_expired, record.state, record.fingerprint,
+                     record.lease_token == claim.token if claim.owned else record.lease_token == (
+                         earlier.token if earlier is not None else None),
+                     record.response, round(record.expires_at - record.created_at) if claim.owned else None,
+                     abs(claim.now - time.time()) < 5))
+    return seen
+
+
+async def test_a_batch_mixing_every_kind_of_claim_decides_each_as_one_call_alone(
+    pg_store: PostgresStore, clean_pg: str
+) -> None:
+    """New keys go in one INSERT for the whole batch, the others through the per-key function: the split must
+    not change one decision, nor the order in which a key sent twice is decided."""
+    batched = await mixed_claims(pg_store, clean_pg, "b-", together=True)
+    alone = await mixed_claims(pg_store, clean_pg, "a-", together=False)
+    assert batched == alone
+    owned = {name: (took_over, expired) for name, owner, took_over, expired, *_ in batched if owner}
+    assert owned == {"new-1": (False, False), "twice": (False, False), "expired": (False, True),
+                     "lapsed": (True, False), "new-2": (False, False)}
+    assert [row[0] for row in batched if row[0] == "twice" and not row[1]] == ["twice"]  # the second one: in flight
+    assert next(row for row in batched if row[0] == "done" and row[5] == FP)[7] == OK  # a replay
+    assert [row[8] for row in batched if str(row[0]).startswith("new")] == [60, 30]  # expiry: the ttl, or the lease
+
+
 async def claim_behind_a_lock(store: PostgresStore, dsn: str, key: str, *, together: bool) -> tuple[Claim, float]:
     """Claim ``key`` (alone, or with another key in one batch) while another session holds the key's lock: the
     claim, and the wall-clock time the lock was let go."""

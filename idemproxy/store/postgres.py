@@ -234,17 +234,61 @@ END $$;
 """
 
 # Group commit (store/batch.py): the claims, or the completions, of concurrent requests in one statement and one
-# transaction, each applied by the per-key function above. Keys are taken in one global order (the hash their
-# advisory lock is named by), so two batches, or a batch and a single-key call, never wait on each other in a
-# cycle. The same key twice in one batch is applied in queue order: the second sees the first's row.
+# transaction, each decided as the per-key function above decides it (a claim of a key no record stands for is
+# created with the others of its batch in one INSERT; every other call runs the per-key function). Keys are taken
+# in one global order (the hash their advisory lock is named by), so two batches, or a batch and a single-key call,
+# never wait on each other in a cycle. The same key twice in one batch is applied in queue order: the second sees
+# the first's row.
 BATCH_FUNCTIONS = f"""
 CREATE OR REPLACE FUNCTION idemproxy_claim_many(
     p_tenants text[], p_keys text[], p_fps text[], p_tokens text[], p_leases double precision[],
     p_ttls double precision[])
 RETURNS TABLE (idx integer, rec {TABLE}, owned boolean, db_now timestamptz) LANGUAGE plpgsql AS $$
-DECLARE i integer;
+DECLARE
+    i integer;
+    h bigint;
+    v_now timestamptz := now();
+    made integer[];
+    made_rows {TABLE}[];
 BEGIN
+    -- Every key's lock first, in the global order (the per-key calls below take them again: a transaction holds
+    -- an advisory lock once taken), so the statement after them sees whatever their last holders committed.
+    FOR h IN SELECT DISTINCT hashtextextended(a.t || chr(31) || a.k, 0) FROM unnest(p_tenants, p_keys) AS a(t, k)
+              ORDER BY 1 LOOP
+        PERFORM pg_advisory_xact_lock(h);
+    END LOOP;
+    -- The common case, a key no record stands for, in one INSERT for the whole batch: a row exactly as
+    -- idemproxy_claim creates one (kind 'new', counted from the transaction's start). A key sent twice in the batch
+    -- is created by its first call; the later ones go through the loop below, after it, and find its row. (Per key,
+    -- that is one statement for the batch instead of three: the executor's start-up is most of a small statement.)
+    WITH a AS (
+        SELECT a.n::integer AS n, a.t, a.k, a.fp, a.tok, a.lease, a.ttl
+          FROM unnest(p_tenants, p_keys, p_fps, p_tokens, p_leases, p_ttls) WITH ORDINALITY
+               AS a(t, k, fp, tok, lease, ttl, n)
+    ), fresh AS (
+        -- LATERAL ... LIMIT 1: a lookup by the (tenant, key) index in each partition, whatever the statistics say
+        SELECT DISTINCT ON (a.t, a.k) a.* FROM a
+          LEFT JOIN LATERAL (SELECT true AS found FROM {TABLE} x WHERE x.tenant = a.t AND x.key = a.k LIMIT 1) e
+            ON true
+         WHERE e.found IS NULL
+         ORDER BY a.t, a.k, a.n
+    ), made AS (
+        INSERT INTO {TABLE} AS r (tenant, key, fingerprint, state, lease_token, lease_expires_at, claim_kind,
+                                  created_at, expires_at)
+        SELECT f.t, f.k, f.fp, 'in_flight', f.tok, v_now + make_interval(secs => f.lease), 'new', v_now,
+               v_now + make_interval(secs => greatest(f.ttl, f.lease))
+          FROM fresh f
+        RETURNING r AS made_row
+    )
+    SELECT coalesce(array_agg(f.n), '{{}}'), array_agg(m.made_row) INTO made, made_rows
+      FROM made m JOIN fresh f ON f.t = (m.made_row).tenant AND f.k = (m.made_row).key;
+    RETURN QUERY SELECT made[j], made_rows[j], true, v_now FROM generate_subscripts(made, 1) AS j;
+    IF cardinality(made) = cardinality(p_keys) THEN
+        RETURN;
+    END IF;
+    -- Every other call, as idemproxy_claim decides it, in the same order as ever.
     FOR i IN SELECT u.n::integer FROM unnest(p_tenants, p_keys) WITH ORDINALITY AS u(t, k, n)
+              WHERE NOT (u.n::integer = ANY(made))
               ORDER BY hashtextextended(u.t || chr(31) || u.k, 0), u.n LOOP
         -- An owner's clock is the transaction's start, which its lease was counted from; a record that stands is
         -- judged (a cached copy's lifetime, lease_expires_in) by the clock when it was read, later in the batch.
