@@ -335,7 +335,7 @@ _P_COMPLETE_ONE = "SELECT 1 AS idx, idemproxy_complete($1, $2, $3, $4, $5, $6, $
 # completions at most BATCH_BYTES of stored answers (a larger single answer goes alone).
 BATCH_MAX = 64
 BATCH_BYTES = 4 * 1024 * 1024
-BATCHES_IN_FLIGHT = 4  # statements of one kind on the wire at once; calls made meanwhile wait for the next
+BATCHES_IN_FLIGHT = 2  # statements of one kind on the wire at once; calls made meanwhile wait for the next
 _P_CHANGE = {
     "complete": "SELECT idemproxy_complete($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
     "release": "SELECT idemproxy_release($1, $2, $3, $4, $5)",
