@@ -370,7 +370,9 @@ async def mixed_claims(store: PostgresStore, dsn: str, prefix: str, *, together:
     other = await store.claim("t", key("other"), FP, lease=0, ttl=60)
     calls = [("new-1", FP, 60), ("twice", FP, 60), ("done", FP, 60), ("twice", FP, 60), ("expired", FP, 60),
              ("alive", FP, 60), ("lapsed", FP, 60), ("other", "e" * 64, 60), ("done", "e" * 64, 60),
-             ("new-2", FP, 10)]  # a ttl shorter than the lease: the record lives as long as the lease
+             ("new-2", FP, 10),  # a ttl shorter than the lease: the record lives as long as the lease
+             ("lapsed", FP, 60),  # after its first call took it over: in flight, the new owner's
+             ("other", FP, 60)]  # lapsed under this payload: taken over, though the earlier call could not
     if together:
         batches = store._claims.batches
         claims = await asyncio.gather(*(store.claim("t", key(k), fp, lease=30, ttl=ttl) for k, fp, ttl in calls))
@@ -399,8 +401,8 @@ async def test_a_batch_mixing_every_kind_of_claim_decides_each_as_one_call_alone
     assert batched == alone
     owned = {name: (took_over, expired) for name, owner, took_over, expired, *_ in batched if owner}
     assert owned == {"new-1": (False, False), "twice": (False, False), "expired": (False, True),
-                     "lapsed": (True, False), "new-2": (False, False)}
-    assert [row[0] for row in batched if row[0] == "twice" and not row[1]] == ["twice"]  # the second one: in flight
+                     "lapsed": (True, False), "new-2": (False, False), "other": (True, False)}
+    assert [row[0] for row in batched if row[0] in ("twice", "lapsed") and not row[1]] == ["twice", "lapsed"]
     assert next(row for row in batched if row[0] == "done" and row[5] == FP)[7] == OK  # a replay
     assert [row[8] for row in batched if str(row[0]).startswith("new")] == [60, 30]  # expiry: the ttl, or the lease
 

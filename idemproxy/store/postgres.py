@@ -234,11 +234,11 @@ END $$;
 """
 
 # Group commit (store/batch.py): the claims, or the completions, of concurrent requests in one statement and one
-# transaction, each decided as the per-key function above decides it (a claim of a key no record stands for is
-# created with the others of its batch in one INSERT; every other call runs the per-key function). Keys are taken
-# in one global order (the hash their advisory lock is named by), so two batches, or a batch and a single-key call,
-# never wait on each other in a cycle. The same key twice in one batch is applied in queue order: the second sees
-# the first's row.
+# transaction, each decided as the per-key function above decides it (the claims of keys no record stands for, and
+# of keys whose record stands, are decided for the whole batch in one statement; every other call runs the per-key
+# function). Keys are taken in one global order (the hash their advisory lock is named by), so two batches, or a
+# batch and a single-key call, never wait on each other in a cycle. The same key twice in one batch is applied in
+# queue order: the second sees the first's row.
 BATCH_FUNCTIONS = f"""
 CREATE OR REPLACE FUNCTION idemproxy_claim_many(
     p_tenants text[], p_keys text[], p_fps text[], p_tokens text[], p_leases double precision[],
@@ -248,8 +248,9 @@ DECLARE
     i integer;
     h bigint;
     v_now timestamptz := now();
-    made integer[];
-    made_rows {TABLE}[];
+    done integer[];
+    done_rows {TABLE}[];
+    done_owned boolean[];
 BEGIN
     -- Every key's lock first, in the global order (the per-key calls below take them again: a transaction holds
     -- an advisory lock once taken), so the statement after them sees whatever their last holders committed.
@@ -257,21 +258,33 @@ BEGIN
               ORDER BY 1 LOOP
         PERFORM pg_advisory_xact_lock(h);
     END LOOP;
-    -- The common case, a key no record stands for, in one INSERT for the whole batch: a row exactly as
-    -- idemproxy_claim creates one (kind 'new', counted from the transaction's start). A key sent twice in the batch
-    -- is created by its first call; the later ones go through the loop below, after it, and find its row. (Per key,
-    -- that is one statement for the batch instead of three: the executor's start-up is most of a small statement.)
+    -- One statement decides the two common cases for the whole batch, exactly as idemproxy_claim would one call at
+    -- a time (the executor's start-up is most of a small statement, and the per-key path costs three):
+    --   fresh:  no record stands for the key: created here, a row as idemproxy_claim makes one (kind 'new',
+    --           counted from the transaction's start), by the key's first call in the batch;
+    --   stands: a record stands that no call of the batch may replace (completed, or in flight with its lease
+    --           alive, or lapsed under another payload): each call of its key is told so, as it is.
+    -- Every other call (a key's later calls after its first created it, a record some call of the batch may take
+    -- over or replace) goes through idemproxy_claim afterwards, in the same order as ever.
     WITH a AS (
         SELECT a.n::integer AS n, a.t, a.k, a.fp, a.tok, a.lease, a.ttl
           FROM unnest(p_tenants, p_keys, p_fps, p_tokens, p_leases, p_ttls) WITH ORDINALITY
                AS a(t, k, fp, tok, lease, ttl, n)
-    ), fresh AS (
-        -- LATERAL ... LIMIT 1: a lookup by the (tenant, key) index in each partition, whatever the statistics say
-        SELECT DISTINCT ON (a.t, a.k) a.* FROM a
-          LEFT JOIN LATERAL (SELECT true AS found FROM {TABLE} x WHERE x.tenant = a.t AND x.key = a.k LIMIT 1) e
+    ), seen AS (
+        -- (LATERAL ... LIMIT 1: one lookup per call by the (tenant, key) index of each partition, as the planner
+        -- judges them: a partition it believes tiny may be read whole)
+        SELECT a.*, x.r,
+               row_number() OVER (PARTITION BY a.t, a.k ORDER BY a.n) AS nth,
+               -- idemproxy_claim's test for taking a record over or replacing it (NULL, as in its IF: no)
+               bool_or(coalesce(((x.r).expires_at <= v_now
+                                 AND NOT ((x.r).state = 'in_flight' AND (x.r).lease_expires_at > v_now))
+                             OR ((x.r).state = 'in_flight' AND (x.r).lease_expires_at <= v_now
+                                 AND (x.r).fingerprint = a.fp), false))
+                   OVER (PARTITION BY a.t, a.k) AS replaceable
+          FROM a LEFT JOIN LATERAL (SELECT y AS r FROM {TABLE} y WHERE y.tenant = a.t AND y.key = a.k LIMIT 1) x
             ON true
-         WHERE e.found IS NULL
-         ORDER BY a.t, a.k, a.n
+    ), fresh AS (
+        SELECT s.* FROM seen s WHERE (s.r).tenant IS NULL AND s.nth = 1
     ), made AS (
         INSERT INTO {TABLE} AS r (tenant, key, fingerprint, state, lease_token, lease_expires_at, claim_kind,
                                   created_at, expires_at)
@@ -280,15 +293,22 @@ BEGIN
           FROM fresh f
         RETURNING r AS made_row
     )
-    SELECT coalesce(array_agg(f.n), '{{}}'), array_agg(m.made_row) INTO made, made_rows
-      FROM made m JOIN fresh f ON f.t = (m.made_row).tenant AND f.k = (m.made_row).key;
-    RETURN QUERY SELECT made[j], made_rows[j], true, v_now FROM generate_subscripts(made, 1) AS j;
-    IF cardinality(made) = cardinality(p_keys) THEN
+    SELECT coalesce(array_agg(o.n), '{{}}'), array_agg(o.r), array_agg(o.mine) INTO done, done_rows, done_owned
+      FROM (SELECT f.n, m.made_row AS r, true AS mine
+              FROM made m JOIN fresh f ON f.t = (m.made_row).tenant AND f.k = (m.made_row).key
+            UNION ALL
+            SELECT s.n, s.r, false FROM seen s WHERE (s.r).tenant IS NOT NULL AND NOT s.replaceable) AS o;
+    -- An owner's clock is the transaction's start, which its lease was counted from; a record that stands is
+    -- judged (a cached copy's lifetime, lease_expires_in) by the clock when it was read, later in the batch.
+    RETURN QUERY SELECT done[j], done_rows[j], done_owned[j],
+                        CASE WHEN done_owned[j] THEN v_now ELSE clock_timestamp() END
+                   FROM generate_subscripts(done, 1) AS j;
+    IF cardinality(done) = cardinality(p_keys) THEN
         RETURN;
     END IF;
     -- Every other call, as idemproxy_claim decides it, in the same order as ever.
     FOR i IN SELECT u.n::integer FROM unnest(p_tenants, p_keys) WITH ORDINALITY AS u(t, k, n)
-              WHERE NOT (u.n::integer = ANY(made))
+              WHERE NOT (u.n::integer = ANY(done))
               ORDER BY hashtextextended(u.t || chr(31) || u.k, 0), u.n LOOP
         -- An owner's clock is the transaction's start, which its lease was counted from; a record that stands is
         -- judged (a cached copy's lifetime, lease_expires_in) by the clock when it was read, later in the batch.
