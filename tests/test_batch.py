@@ -16,9 +16,9 @@ import asyncpg
 import pytest
 import redis as sync_redis
 
-from idemproxy.config import load_config
+from idemproxy.config import PostgresConfig, SecretURL, load_config
 from idemproxy.problems import StoreRejected, StoreUnavailable
-from idemproxy.store import StoredResponse
+from idemproxy.store import StoredResponse, postgres
 from idemproxy.store.base import Claim, Watchers
 from idemproxy.store.batch import Batcher
 from idemproxy.store.postgres import BATCH_BYTES, BATCHES_IN_FLIGHT, NOTIFY_CHANNEL, PostgresStore
@@ -106,6 +106,70 @@ async def test_a_claim_postgresql_refuses_fails_alone_in_its_batch(pg_store: Pos
     results = await asyncio.gather(bad, *good, return_exceptions=True)
     assert isinstance(results[0], StoreRejected) and not isinstance(results[0], StoreUnavailable)
     assert all(not isinstance(r, BaseException) and r.owned for r in results[1:]), results[1:]
+
+
+async def backend_pid(conn: Any) -> int:
+    pid: int = await conn.fetchval("SELECT pg_backend_pid()")
+    return pid
+
+
+async def test_a_batch_leaves_its_connection_for_the_next_and_the_pool_gets_it_back_when_idle(
+    clean_pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool checkout and release cost about half a small statement's CPU: consecutive batches share one
+    connection, which goes back to the pool once no batch used it for SPARE_IDLE seconds."""
+    monkeypatch.setattr(postgres, "SPARE_IDLE", 0.2)
+    store = store_on(clean_pg)
+    await store.open()
+    try:
+        assert (await store.claim("t", "a", FP, lease=30, ttl=60)).owned
+        [(kept, _)] = store._spares
+        pid = await backend_pid(kept)
+        claim = await store.claim("t", "b", FP, lease=30, ttl=60)
+        assert await store.complete(claim, OK, ttl=60)
+        [(again, _)] = store._spares
+        assert again is kept and await backend_pid(again) == pid  # the claim and the completion used it too
+        idle = store._pool.get_idle_size()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while store._spares or store._returning:  # the idle timer gives it back (a bounded wait, no race)
+            assert loop.time() < deadline, "the connection left aside never went back to the pool"
+            await asyncio.sleep(0.05)
+        assert store._pool.get_idle_size() == idle + 1
+    finally:
+        await store.close()
+
+
+async def test_a_connection_left_aside_is_never_the_pools_last_nor_used_once_closed(clean_pg: str) -> None:
+    """With a pool of one, nothing is left aside (a release or a read would wait for it); a connection left
+    aside whose server session ended (a restart, an administrator) is dropped, and the next batch goes on."""
+    lone = PostgresStore(PostgresConfig(dsn=SecretURL(clean_pg), pool_min=1, pool_max=1))
+    await lone.open()
+    try:
+        assert (await lone.claim("t", "lone", FP, lease=30, ttl=60)).owned
+        assert lone._spares == [] and lone._pool.get_idle_size() == 1
+    finally:
+        await lone.close()
+    store = store_on(clean_pg)
+    await store.open()
+    admin = await asyncpg.connect(clean_pg)
+    try:
+        assert (await store.claim("t", "before", FP, lease=30, ttl=60)).owned
+        [(kept, _)] = store._spares
+        assert await admin.fetchval("SELECT pg_terminate_backend($1)", await backend_pid(kept))
+        deadline = asyncio.get_running_loop().time() + 5
+        while True:  # until this process has read the end of that session (asyncpg gives it back to the pool)
+            try:
+                if kept.is_closed():
+                    break
+            except asyncpg.InterfaceError:
+                break
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        assert (await store.claim("t", "after", FP, lease=30, ttl=60)).owned
+    finally:
+        await admin.close()
+        await store.close()
 
 
 async def test_two_replicas_batching_the_same_keys_in_opposite_orders_never_deadlock(clean_pg: str) -> None:
