@@ -172,6 +172,44 @@ async def test_a_connection_left_aside_is_never_the_pools_last_nor_used_once_clo
         await store.close()
 
 
+async def test_what_batches_left_aside_never_keeps_a_small_pool_from_a_health_check_or_a_read(
+    clean_pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool of two, one connection left aside by a batch, the other held by a release waiting on a key's lock:
+    a health check gets a connection at once, not when the idle timer gives the spare back (never, under steady
+    load). Then a batch and that release both wait on locks: a read waiting for a connection gets the batch's as
+    soon as the batch ends, which leaves nothing aside meanwhile."""
+    monkeypatch.setattr(postgres, "SPARE_IDLE", 600.0)  # as if batches kept coming
+    store = PostgresStore(PostgresConfig(dsn=SecretURL(clean_pg), pool_min=2, pool_max=2))
+    await store.open()
+    busy_lock = slow_lock = None
+    try:
+        busy = await store.claim("t", "busy", FP, lease=30, ttl=60)
+        assert (await store.claim("t", "other", FP, lease=30, ttl=60)).owned and len(store._spares) == 1
+        busy_lock = await hold_key_locks(clean_pg, ["busy"])
+        release = asyncio.ensure_future(store.release(busy))  # waits on the lock, on the pool's other connection
+        while store._pool.get_idle_size():
+            await asyncio.sleep(0.01)
+        health = await store.health()
+        assert health.ready, health.details  # the spare went back to the pool for it
+        slow_lock = await hold_key_locks(clean_pg, ["slow"])
+        slow = asyncio.ensure_future(store.claim("t", "slow", FP, lease=30, ttl=60))  # a batch waiting on a lock
+        while store._pool.get_idle_size():
+            await asyncio.sleep(0.01)
+        read = asyncio.ensure_future(store.get("t", "other"))  # no connection left: it waits
+        while not store._waiting:
+            await asyncio.sleep(0.01)
+        await slow_lock.close()  # the batch ends (the release still waits): its connection goes to the read
+        assert (await slow).owned and (await read) is not None
+        await busy_lock.close()
+        assert await release
+    finally:
+        for lock in (busy_lock, slow_lock):
+            if lock is not None and not lock.is_closed():
+                await lock.close()
+        await store.close()
+
+
 async def test_two_replicas_batching_the_same_keys_in_opposite_orders_never_deadlock(clean_pg: str) -> None:
     """Each batch locks its keys in one global order; in queue order, two replicas' batches would deadlock
     (PostgreSQL then aborts one: a 503 for every request in it)."""

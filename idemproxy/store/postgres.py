@@ -358,8 +358,9 @@ BATCH_BYTES = 4 * 1024 * 1024
 BATCHES_IN_FLIGHT = 2  # statements of one kind on the wire at once; calls made meanwhile wait for the next
 # Connections a batch leaves aside for the next batch instead of giving them back to the pool (a checkout and
 # release cost about 30 us of CPU, half a small statement's): at most one per batch on the wire, never the pool's
-# last one (a release, a read or a health check must not wait for it), and one not used again within SPARE_IDLE
-# seconds goes back.
+# last one, none while another operation waits for a connection, all given back when one finds the pool empty (a
+# release, a read or a health check never waits for them), and one not used again within SPARE_IDLE seconds goes
+# back.
 SPARE_IDLE = 1.0
 _P_CHANGE = {
     "complete": "SELECT idemproxy_complete($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
@@ -688,6 +689,7 @@ class PostgresStore(Store):
         # Pooled connections kept between batches, with when each was last used (monotonic), newest last.
         self._spares: list[tuple[Any, float]] = []
         self._max_spares = min(2 * BATCHES_IN_FLIGHT, config.pool_max - 1)
+        self._waiting = 0  # operations other than batches waiting for a pooled connection
         self._spare_timer: asyncio.TimerHandle | None = None
         self._returning: set[asyncio.Task[Any]] = set()
 
@@ -810,10 +812,17 @@ class PostgresStore(Store):
         one is left aside in turn when all went well."""
         conn = self._spare() if spare else None
         if conn is None:
+            if not spare:
+                self._waiting += 1  # (meanwhile, a batch that ends gives its connection back: it may be ours)
             try:
+                if not spare and self._spares and self._pool_exhausted():
+                    await self._give_back_spares()  # the pool is empty: what batches left aside is ours first
                 conn = await self._pool.acquire(timeout=OPERATION_TIMEOUT)
             except Exception as exc:
                 raise _unavailable(operation, exc, maybe_applied=False) from exc
+            finally:
+                if not spare:
+                    self._waiting -= 1
         try:
             yield conn
         except BaseException as exc:
@@ -828,7 +837,7 @@ class PostgresStore(Store):
             if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
                 raise _unavailable(operation, exc) from exc
             raise
-        if spare and len(self._spares) < self._max_spares and not self._closing.is_set():
+        if spare and len(self._spares) < self._max_spares and not self._waiting and not self._closing.is_set():
             self._keep_spare(conn)
             return
         with contextlib.suppress(Exception):
@@ -864,6 +873,16 @@ class PostgresStore(Store):
         if not self._spares and self._spare_timer is not None:
             self._spare_timer.cancel()
             self._spare_timer = None
+
+    def _pool_exhausted(self) -> bool:
+        pool = self._pool
+        return bool(pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size())
+
+    async def _give_back_spares(self) -> None:
+        spares, self._spares = self._spares, []
+        for conn, _ in spares:
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
 
     def _give_back(self, conn: Any) -> None:
         follow_up(self._returning, self._pool.release(conn, timeout=OPERATION_TIMEOUT),
