@@ -82,6 +82,15 @@ class EmbeddedStore(Store):
         # the anchor is read again, as it must be for records kept on disk.
         self._wall0 = time.time()
         self._mono0 = time.monotonic()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first call, kept (see _running)
+
+    def _running(self) -> asyncio.AbstractEventLoop:
+        """The store's event loop, asked for once: on CPython 3.11 asyncio.get_running_loop() makes a getpid()
+        system call each time (two writes a first request)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _now(self) -> float:
         return self._wall0 + (time.monotonic() - self._mono0)
@@ -155,7 +164,7 @@ class EmbeddedStore(Store):
 
     async def _run(self, operation: str, fn: Callable[[], T]) -> T:
         async with self.measured(operation):
-            loop = asyncio.get_running_loop()
+            loop = self._running()
             try:
                 return await loop.run_in_executor(self._executor, fn)
             except (sqlite3.Error, OSError) as exc:  # the transaction rolled back: nothing was applied
@@ -170,7 +179,7 @@ class EmbeddedStore(Store):
         a savepoint of its own, so one that fails leaves the others' work intact.
         """
         async with self.measured(operation):
-            loop = asyncio.get_running_loop()
+            loop = self._running()
             future: asyncio.Future[Any] = loop.create_future()
             self._queued.append((fn, future))
             if not self._committing:
@@ -187,7 +196,7 @@ class EmbeddedStore(Store):
         if not batch:
             self._committing = False
             return
-        done = asyncio.get_running_loop().run_in_executor(self._executor, self._apply, batch)
+        done = self._running().run_in_executor(self._executor, self._apply, batch)
         done.add_done_callback(lambda result: self._hand_out(batch, result))
 
     def _hand_out(self, batch: list[_Queued], result: asyncio.Future[list[tuple[bool, Any]]]) -> None:
