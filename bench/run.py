@@ -139,7 +139,6 @@ def run_wrk(target: Target, seconds: float, script: Path, store_pids: dict[str, 
         "p50": _ms(re.search(r"50%\s+([\d.]+\w+)", out).group(1)),  # type: ignore[union-attr]
         "p99": _ms(re.search(r"99%\s+([\d.]+\w+)", out).group(1)),  # type: ignore[union-attr]
         "cpu_us": cpu / requests * 1e6,
-        "store_us": (redis_cpu + pg_cpu) / requests * 1e6,
         "redis_us": redis_cpu / requests * 1e6,
         "pg_us": pg_cpu / requests * 1e6,
         "box_us": box / requests * 1e6,

@@ -108,6 +108,14 @@ async def test_a_claim_postgresql_refuses_fails_alone_in_its_batch(pg_store: Pos
     assert all(not isinstance(r, BaseException) and r.owned for r in results[1:]), results[1:]
 
 
+def closed(conn: Any) -> bool:
+    """Whether a pooled connection has ended (asyncpg then hands it back to the pool and its handle refuses calls)."""
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        return True
+
+
 async def backend_pid(conn: Any) -> int:
     pid: int = await conn.fetchval("SELECT pg_backend_pid()")
     return pid
@@ -130,11 +138,7 @@ async def test_a_batch_leaves_its_connection_for_the_next_and_the_pool_gets_it_b
         [(again, _)] = store._spares
         assert again is kept and await backend_pid(again) == pid  # the claim and the completion used it too
         idle = store._pool.get_idle_size()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while store._spares or store._returning:  # the idle timer gives it back (a bounded wait, no race)
-            assert loop.time() < deadline, "the connection left aside never went back to the pool"
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: not store._spares and not store._returning)  # the idle timer gives it back
         assert store._pool.get_idle_size() == idle + 1
     finally:
         await store.close()
@@ -157,15 +161,7 @@ async def test_a_connection_left_aside_is_never_the_pools_last_nor_used_once_clo
         assert (await store.claim("t", "before", FP, lease=30, ttl=60)).owned
         [(kept, _)] = store._spares
         assert await admin.fetchval("SELECT pg_terminate_backend($1)", await backend_pid(kept))
-        deadline = asyncio.get_running_loop().time() + 5
-        while True:  # until this process has read the end of that session (asyncpg gives it back to the pool)
-            try:
-                if kept.is_closed():
-                    break
-            except asyncpg.InterfaceError:
-                break
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: closed(kept))  # this process read the end of that session
         assert (await store.claim("t", "after", FP, lease=30, ttl=60)).owned
     finally:
         await admin.close()
@@ -478,7 +474,7 @@ async def mixed_claims(store: PostgresStore, dsn: str, prefix: str, *, together:
     if together:
         batches = store._claims.batches
         claims = await asyncio.gather(*(store.claim("t", key(k), fp, lease=30, ttl=ttl) for k, fp, ttl in calls))
-        assert store._claims.batches == batches + 1  # all ten in one statement
+        assert store._claims.batches == batches + 1  # all of them in one statement
     else:
         claims = [await store.claim("t", key(k), fp, lease=30, ttl=ttl) for k, fp, ttl in calls]
     before = {"done": done, "expired": expired, "alive": alive, "lapsed": lapsed, "other": other}
@@ -496,8 +492,8 @@ async def mixed_claims(store: PostgresStore, dsn: str, prefix: str, *, together:
 async def test_a_batch_mixing_every_kind_of_claim_decides_each_as_one_call_alone(
     pg_store: PostgresStore, clean_pg: str
 ) -> None:
-    """New keys go in one INSERT for the whole batch, the others through the per-key function: the split must
-    not change one decision, nor the order in which a key sent twice is decided."""
+    """New keys and standing records are decided for the whole batch in one statement, the others by the per-key
+    function: the split must not change one decision, nor the order in which a key sent twice is decided."""
     batched = await mixed_claims(pg_store, clean_pg, "b-", together=True)
     alone = await mixed_claims(pg_store, clean_pg, "a-", together=False)
     assert batched == alone

@@ -816,7 +816,7 @@ class PostgresStore(Store):
                 self._waiting += 1  # (meanwhile, a batch that ends gives its connection back: it may be ours)
             try:
                 if not spare and self._spares and self._pool_exhausted():
-                    await self._give_back_spares()  # the pool is empty: what batches left aside is ours first
+                    self._return_spares(float("inf"))  # the pool is empty: what batches left aside is ours first
                 conn = await self._pool.acquire(timeout=OPERATION_TIMEOUT)
             except Exception as exc:
                 raise _unavailable(operation, exc, maybe_applied=False) from exc
@@ -877,12 +877,6 @@ class PostgresStore(Store):
     def _pool_exhausted(self) -> bool:
         pool = self._pool
         return bool(pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size())
-
-    async def _give_back_spares(self) -> None:
-        spares, self._spares = self._spares, []
-        for conn, _ in spares:
-            with contextlib.suppress(Exception):
-                await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
 
     def _give_back(self, conn: Any) -> None:
         follow_up(self._returning, self._pool.release(conn, timeout=OPERATION_TIMEOUT),
