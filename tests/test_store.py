@@ -8,14 +8,15 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import fields, replace
+from dataclasses import MISSING, FrozenInstanceError, dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
 import pytest
 
 from idemproxy.config import load_config
 from idemproxy.store import State, Store, StoredResponse, build_store
-from idemproxy.store.base import Claim, Record, new_token
+from idemproxy.store.base import Claim, Record, new_token, quick_init
+from idemproxy.store.redis import _Fast
 from tests.conftest import BACKENDS, StorageFactory, empty_records
 
 FP, OTHER_FP = "f" * 64, "0" * 64
@@ -296,3 +297,70 @@ def test_a_claims_copies_carry_every_other_field() -> None:
 
     assert values(claim.received_at(7.0)) == values(replace(claim, received=7.0))
     assert values(claim.with_epoch("e2")) == values(replace(claim, cache_epoch="e2"))
+
+
+@pytest.mark.parametrize("cls", [StoredResponse, Record, Claim, _Fast], ids=lambda c: c.__name__)
+def test_quick_init_builds_what_the_dataclass_init_builds(cls: type[Any]) -> None:
+    """The hot records' ``__init__`` is quick_init's, not the dataclass's: it must take the same arguments, by
+    position or by name, apply the same defaults (a default factory called per instance), build an equal
+    instance and leave it frozen. Compared with a twin the dataclass decorator builds from the same fields."""
+    specs: list[Any] = []
+    for f in fields(cls):
+        if f.default is not MISSING:
+            specs.append((f.name, f.type, field(default=f.default)))
+        elif f.default_factory is not MISSING:
+            specs.append((f.name, f.type, field(default_factory=f.default_factory)))
+        else:
+            specs.append((f.name, f.type))
+    twin = make_dataclass("Twin", specs, frozen=True)
+    values = [f"v{n}" for n in range(len(specs))]  # distinct per field: a field set from another's argument shows
+    for build in (lambda c: c(*values), lambda c: c(**{f.name: v for f, v in zip(fields(cls), values, strict=True)})):
+        made, expected = build(cls), build(twin)
+        assert vars(made) == vars(expected)
+        with pytest.raises(FrozenInstanceError):
+            made.owned = True
+    required = [v for f, v in zip(fields(cls), values, strict=True)
+                if f.default is MISSING and f.default_factory is MISSING]
+    before = time.monotonic()
+    made, expected = cls(*required), twin(*required)
+    for f in fields(cls):
+        if f.default_factory is not MISSING:  # Claim.received: this process's clock when the claim was made
+            assert before <= getattr(made, f.name) <= time.monotonic()
+            assert getattr(cls(*required), f.name) >= getattr(made, f.name)  # called again for each instance
+        else:
+            assert getattr(made, f.name) == getattr(expected, f.name)
+    with pytest.raises(TypeError):
+        cls(*values, "one too many")
+    if required:
+        with pytest.raises(TypeError):
+            cls(*required[:-1])
+
+
+def test_quick_init_refuses_what_it_cannot_build_alike() -> None:
+    @dataclass
+    class Mutable:
+        a: int
+
+    @dataclass(frozen=True)
+    class Checked:
+        a: int
+
+        def __post_init__(self) -> None:
+            pass
+
+    @dataclass(frozen=True, slots=True)
+    class Slotted:
+        a: int
+
+    @dataclass(frozen=True)
+    class Derived:
+        a: int
+        b: int = field(init=False, default=0)
+
+    @dataclass(frozen=True, kw_only=True)
+    class Named:
+        a: int
+
+    for cls in (Mutable, Checked, Slotted, Derived, Named):
+        with pytest.raises(TypeError, match=cls.__name__):
+            quick_init(cls)

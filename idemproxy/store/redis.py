@@ -46,6 +46,7 @@ from idemproxy.store.base import (
     Store,
     StoredResponse,
     new_token,
+    quick_init,
 )
 from idemproxy.store.batch import Batcher, follow_up
 from idemproxy.store.codec import PLAIN, Codec, json_encoder
@@ -132,6 +133,7 @@ _compact_json = json_encoder(",", ":")
 _ScriptCall = tuple[Any, list[str], list[Any]]  # a registered script, its keys, its arguments
 
 
+@quick_init
 @dataclass(frozen=True)
 class _Fast:
     kind: str  # completed | in_flight | acquired | foreign (a lock with another fingerprint: ask the durable store)
