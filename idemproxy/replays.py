@@ -37,10 +37,11 @@ _Key = tuple[str, str]
 
 # What an entry holds besides its strings' and body's bytes, measured with tracemalloc on CPython 3.11: the
 # record and response objects, the entry's tuples, the body's and each string's object header and the ordered
-# dict's node (about 650 bytes, and up to 350 more: the dict's spare room, the allocator's rounding), and per
-# stored header its pair and two strings (about 155). Counted, so that ``replay_memory`` bounds what the cache
-# really holds, not only its bodies (tests/test_replays.py).
-ENTRY_OVERHEAD = 1000
+# dict's node (about 780 bytes, the record's and the response's own dicts included, and up to 350 more: the
+# dict's spare room, the allocator's rounding), and per stored header its pair and two strings (about 155).
+# Counted, so that ``replay_memory`` bounds what the cache really holds, not only its bodies
+# (tests/test_replays.py).
+ENTRY_OVERHEAD = 1130
 HEADER_OVERHEAD = 160
 
 

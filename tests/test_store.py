@@ -338,8 +338,13 @@ def test_quick_init_builds_what_the_dataclass_init_builds(cls: type[Any]) -> Non
             assert getattr(cls(*required), f.name) is not getattr(made, f.name)  # called again for each instance
         else:
             assert getattr(made, f.name) == getattr(expected, f.name)
+    for f in fields(cls):  # a value given for a factory's field is kept, even one the factory would replace
+        if f.default_factory is not MISSING:
+            assert getattr(cls(**{**by_name, f.name: None}), f.name) is None
     with pytest.raises(TypeError):
         cls(*values, "one too many")
+    with pytest.raises(TypeError):  # (dataclasses.replace relies on it to refuse a misspelt field)
+        cls(**by_name, unknown=1)
     if required:
         with pytest.raises(TypeError):
             cls(*required[:-1])
@@ -375,6 +380,35 @@ def test_quick_init_refuses_what_it_cannot_build_alike() -> None:
         a: int
         b: InitVar[int] = 0
 
-    for cls in (Mutable, Checked, Slotted, Derived, Named, Passed):
+    @dataclass(frozen=True, init=False)
+    class Own:
+        a: str
+
+        def __init__(self, a: str) -> None:
+            object.__setattr__(self, "a", a.lower())
+
+    @dataclass(frozen=True, slots=True)
+    class SlottedParent:
+        a: int
+
+    @dataclass(frozen=True)
+    class SlottedChild(SlottedParent):
+        b: int
+
+    class Positive:
+        def __set_name__(self, owner: type, name: str) -> None:
+            self.name = f"_{name}"
+
+        def __get__(self, instance: object, owner: type) -> int:
+            return 0 if instance is None else int(getattr(instance, self.name))
+
+        def __set__(self, instance: object, value: int) -> None:
+            object.__setattr__(instance, self.name, max(value, 0))
+
+    @dataclass(frozen=True)
+    class Described:
+        n: Positive = Positive()  # noqa: RUF009 (the point: a descriptor as a field's default)
+
+    for cls in (Mutable, Checked, Slotted, Derived, Named, Passed, Own, SlottedChild, Described):
         with pytest.raises(TypeError, match=cls.__name__):
             quick_init(cls)
