@@ -28,6 +28,7 @@ import asyncio
 import functools
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,9 @@ def instructions(pid: int, workdir: Path) -> int:
             text = path.read_text(errors="replace")
             match = re.search(r"^totals: (\d+)", text, re.M)
             if match:
+                keep = os.environ.get("IDEMPROXY_CALLGRIND_KEEP")
+                if keep:  # for callgrind_annotate: where the instructions went, function by function
+                    shutil.copy(path, Path(keep) / f"{path.name}.{uuid.uuid4().hex[:6]}")
                 return int(match.group(1))
         time.sleep(0.2)
     raise RuntimeError("no callgrind dump appeared")

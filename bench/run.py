@@ -17,7 +17,8 @@ the bench's own, so their CPU can be read alone). `wrk -t2 -c50` drives each tar
 For each: req/s and its ratio to the reference in the same round (median over rounds), wrk's p50/p99, CPU per
 request of the proxy process (utime+stime from /proc) and its ratio to the reference, of Redis and of PostgreSQL,
 and of the whole machine ("box": every busy jiffy in /proc/stat, whoever spent it). Then
-an open-loop client at 200 req/s measures the latency each path adds over calling the upstream directly.
+an open-loop client at 200 req/s measures the latency each path adds over calling the upstream directly, in
+interleaved rounds that each measure the upstream directly first (median over rounds, and the range).
 Everything shares 2 cores here: compare ratios, not absolute figures.
 """
 
@@ -182,6 +183,32 @@ async def open_loop(url: str, mode: str, rate: float, seconds: float) -> tuple[f
     return statistics.median(latencies) * 1000, latencies[int(len(latencies) * 0.99) - 1] * 1000
 
 
+LATENCY_PATHS = ("reference", "off", "first", "pg-first", "replay", "embedded")
+
+
+async def added_latency(direct_url: str, targets: list[Target], seconds: float, rounds: int) -> None:
+    """The latency each path adds at 200 req/s over calling the upstream directly. The paths run in interleaved
+    rounds, each round measuring the upstream directly first, so a slow spell of the machine (a shared VM's steal
+    time moves p99 by several ms) lands on one round of every path rather than on every round of one path. Prints
+    the median over rounds of each round's added p50 and p99, and their range."""
+    paths = [t for t in targets if t.name in LATENCY_PATHS]
+    added: dict[str, list[tuple[float, float]]] = {t.name: [] for t in paths}
+    directs: list[tuple[float, float]] = []
+    for _ in range(rounds):
+        direct = await open_loop(direct_url, "none", 200, seconds)
+        directs.append(direct)
+        for target in paths:
+            p50, p99 = await open_loop(target.url, target.mode, 200, seconds)
+            added[target.name].append((p50 - direct[0], p99 - direct[1]))
+    print(f"\nadded latency at 200 req/s over the upstream called directly, median of {rounds} interleaved rounds "
+          f"of {seconds:g} s [range] (direct: p50 {statistics.median(d[0] for d in directs):.2f} ms, "
+          f"p99 {statistics.median(d[1] for d in directs):.2f} ms):")
+    for name, values in added.items():
+        p50s, p99s = [v[0] for v in values], [v[1] for v in values]
+        print(f"  {name:10} p50 {statistics.median(p50s):+.2f} ms [{min(p50s):+.2f}, {max(p50s):+.2f}]   "
+              f"p99 {statistics.median(p99s):+.2f} ms [{min(p99s):+.2f}, {max(p99s):+.2f}]")
+
+
 @contextmanager
 def process(*argv: str, port: int, quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
     """Start ``python ARGV PORT`` and wait until it listens (``quiet``: its stderr is dropped)."""
@@ -338,7 +365,10 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="per target and round (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
-    parser.add_argument("--rate-seconds", type=float, default=5.0, help="open-loop latency run per path")
+    parser.add_argument("--rate-seconds", type=float, default=4.0,
+                        help="open-loop latency run per path and round (default 4)")
+    parser.add_argument("--rate-rounds", type=int, default=3,
+                        help="interleaved rounds of the latency pass, each with its own direct baseline (default 3)")
     parser.add_argument("--only", help="comma-separated targets to measure (the reference always runs)")
     parser.add_argument("--workers", type=int, default=1,
                         help="worker processes of the Redis + PostgreSQL and PostgreSQL proxies (default 1; the "
@@ -395,12 +425,7 @@ async def main() -> None:
                 print(f"wrk -t2 -c50, {args.seconds:g} s per target, {args.rounds} interleaved rounds, "
                       f"{os.cpu_count()} cores shared by wrk, upstream, proxies and stores")
                 report(targets, reference)
-                direct = await open_loop(upstream + "/v1/charges", "none", 200, args.rate_seconds)
-                print(f"\nadded latency at 200 req/s over the upstream called directly "
-                      f"(direct: p50 {direct[0]:.2f} ms, p99 {direct[1]:.2f} ms):")
-                for target in (t for t in targets if t.name in ("reference", "first", "replay", "embedded")):
-                    p50, p99 = await open_loop(target.url, target.mode, 200, args.rate_seconds)
-                    print(f"  {target.name:10} p50 +{p50 - direct[0]:.2f} ms   p99 +{p99 - direct[1]:.2f} ms")
+                await added_latency(upstream + "/v1/charges", targets, args.rate_seconds, args.rate_rounds)
                 if os.environ.get("IDEMPROXY_BENCH_SHOW"):
                     print(proxies["redis"].log()[-3000:])
                 for name, proxy in proxies.items():
