@@ -1,6 +1,7 @@
 """Memory under many pending keys: the proxy's resident set while N first requests wait on a slow upstream.
 
     .venv/bin/python bench/memory.py [--keys 10000] [--delay 8] [--store redis|embedded] [--max-connections N]
+                                     [--connect-timeout S] [--no-reference]
 
 Starts the benchmark upstream (bench/upstream.py, which holds each request ``--delay`` seconds), idemproxy on Redis +
 PostgreSQL (or the embedded store) and the stores as bench/run.py does, then sends ``--keys`` first requests with
@@ -75,6 +76,11 @@ async def main() -> None:
     parser.add_argument("--max-connections", type=int, default=512,
                         help="upstream.max_connections (default 512, the product's): keys beyond it wait for a "
                              "connection, still claimed, for up to upstream.connect_timeout (5 s)")
+    parser.add_argument("--connect-timeout", type=float, default=5.0,
+                        help="upstream.connect_timeout in seconds (default 5, the product's): how long a key beyond "
+                             "--max-connections waits for one. Past this machine's open-file limit, set "
+                             "--max-connections under it and this above --delay: every key stays pending, claimed, "
+                             "and is answered")
     parser.add_argument("--no-reference", action="store_true", help="skip the reference proxy's bursts")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="idemproxy-memory-") as tmp:
@@ -84,6 +90,7 @@ async def main() -> None:
         upstream = f"http://127.0.0.1:{up_port}"
         config = proxy_config(upstream, sections[args.store])
         config["upstream"]["max_connections"] = args.max_connections
+        config["upstream"]["connect_timeout"] = args.connect_timeout
         proxy = ProxyProcess(config, workdir, name="memory")
         print(f"{args.keys} requests pending at once, three times; the upstream holds each {args.delay:g} s")
         try:
@@ -98,7 +105,8 @@ async def main() -> None:
                 assert proxy.proc is not None
                 await bursts(proxy.url, proxy.proc.pid,
                              f"idemproxy, first requests ({args.store} store, upstream.max_connections "
-                             f"{args.max_connections})", args.keys, args.delay)
+                             f"{args.max_connections}, connect_timeout {args.connect_timeout:g} s)", args.keys,
+                             args.delay)
         finally:
             proxy.stop()
             await asyncio.to_thread(cleanup)
