@@ -77,7 +77,7 @@ class Proxy:
         self.config = config
         self.metrics = Metrics()
         self.store = store if store is not None else build_store(
-            config.storage, self.metrics, max_body=config.max_stored_response)
+            config.storage, self.metrics, max_body=config.max_stored_response, wait_for_postgres=True)
         self.tracer = build_tracer(config.tracing)
         self.upstreams = Upstreams(config, self.tracer)
         self.engine = Engine(config, self.store, self.upstreams, self.metrics, self.tracer)

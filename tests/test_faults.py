@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
@@ -20,6 +21,7 @@ import redis as sync_redis
 from aiohttp.test_utils import TestServer
 
 from idemproxy.config import PostgresConfig, SecretURL
+from idemproxy.problems import StoreUnavailable
 from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy
@@ -309,6 +311,114 @@ async def test_connection_cut_or_stalled_is_503(
 
         await assert_503_then_recovers(proxy, f"net-{fault}", lift)
     assert upstream.count(key=f"net-{fault}") == 1
+
+
+@pytest.mark.parametrize("with_redis", [False, True], ids=["postgres", "redis+postgres"])
+async def test_postgres_unreachable_at_start_serves_then_opens_when_it_answers(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    with_redis: bool,
+) -> None:
+    """CONTRACT "Health": a store outage does not take the replica out of service, and one at start is no
+    different. A replica (re)started while PostgreSQL is down used to exit after its five attempts: in a crash
+    loop, every request through it failed, uncovered ones included, until PostgreSQL and the loop's backoff
+    allowed. Now it serves: 503 ``store_unavailable`` where the store is needed (nothing forwarded), other
+    traffic passes, and the store opens (schema and all) once PostgreSQL answers."""
+    parts = urlsplit(clean_pg)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        relay.cut()
+        section = pg_section(via(relay, clean_pg))
+        if with_redis:
+            section["redis"] = {"url": redis_url, "key_prefix": redis_prefix}
+        proxy = await make_proxy(storage_section=section)  # returns after the five attempts at start
+        resp, body = await proxy.post("/v1/charges", key="early", body=CHARGE)
+        assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable", (resp.status, body)
+        assert resp.headers["Retry-After"]
+        resp, _ = await proxy.post("/v1/charges", body=CHARGE)  # no key: not covered, passes through
+        assert resp.status == 201
+        health = await proxy.proxy.check_stores()
+        assert not health.ready and health.details["postgres"] == "unavailable", health
+        assert relay.refused >= 5  # it kept trying
+        relay.restore()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while True:  # open within the retry interval (5 s at most); a 503 meanwhile forwarded nothing
+            resp, body = await proxy.post("/v1/charges", key="early", body=CHARGE)
+            if resp.status != 503 or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        assert resp.status == 201, (resp.status, body)
+        replay, _ = await proxy.post("/v1/charges", key="early", body=CHARGE)
+        assert replay.status == 201 and replay.headers["Idempotent-Replayed"] == "true"
+        assert (await proxy.proxy.check_stores()).ready
+    assert upstream.count(key="early") == 1
+
+
+async def test_a_server_that_refuses_once_reachable_is_said_and_opened_when_it_no_longer_does(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_admin_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unreachable at start, then reachable but refusing (its database not created yet): an error names what
+    it said (once a minute at most, not every retry), the proxy goes on serving 503s, and the store opens, its
+    schema created (``migrate: auto``), once the database is there."""
+    name = f"idemproxy_late_{uuid.uuid4().hex[:10]}"
+    admin = urlsplit(pg_admin_dsn)
+    dsn = urlunsplit(admin._replace(path=f"/{name}"))
+    try:
+        with Relay(admin.hostname or "127.0.0.1", admin.port or 5432, name="pg") as relay:
+            relay.cut()
+            proxy = await make_proxy(storage_section=pg_section(via(relay, dsn)))
+            relay.restore()  # reachable now, and it refuses: the database does not exist
+            await until(lambda: f'database "{name}" does not exist' in caplog.text, timeout=10)
+            tried = relay.accepted
+            await until(lambda: relay.accepted >= tried + 2, timeout=10)  # refused twice more, unsaid
+            resp, body = await proxy.post("/v1/charges", key="late", body=CHARGE)
+            assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable", (resp.status, body)
+            conn = await asyncpg.connect(pg_admin_dsn)
+            try:
+                await conn.execute(f"CREATE DATABASE {name}")
+            finally:
+                await conn.close()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 15
+            while True:
+                resp, body = await proxy.post("/v1/charges", key="late", body=CHARGE)
+                if resp.status != 503 or loop.time() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            assert resp.status == 201, (resp.status, body)
+            refusals = [r for r in caplog.records if f'database "{name}" does not exist' in r.getMessage()]
+            assert len(refusals) == 1 and refusals[0].levelname == "ERROR", [r.getMessage() for r in refusals]
+            assert "answers: the idempotency store is open" in caplog.text
+            await proxy.session.close()
+            await proxy.server.close()  # closes the store, before its database is dropped
+    finally:
+        conn = await asyncpg.connect(pg_admin_dsn)
+        try:
+            await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        finally:
+            await conn.close()
+    assert upstream.count(key="late") == 1
+
+
+async def test_no_statement_runs_before_the_store_knows_its_layout(clean_pg: str) -> None:
+    """The opener in the background assigns the pool before it has read the layout: until then no operation may
+    use it (single-table SQL run against daily partitions would skip the per-key lock that keeps a key unique
+    across partitions). Pinned on the gate itself, as the window is too short to hit from outside."""
+    store = PostgresStore(PostgresConfig(dsn=SecretURL(clean_pg), pool_min=1, pool_max=2))
+    await store.open()
+    try:
+        store._usable = False  # as between the pool's opening and the layout's reading
+        sent = store.statements
+        for call in (lambda: store.claim("t", "gate", "fp", lease=5, ttl=60), lambda: store.get("t", "gate"),
+                     lambda: store.sweep(10), store.clock):
+            with pytest.raises(StoreUnavailable) as refused:
+                await call()
+            assert refused.value.maybe_applied is False
+        assert not (await store.health()).ready
+        assert store.statements == sent
+        store._usable = True
+        assert (await store.claim("t", "gate", "fp", lease=5, ttl=60)).owned
+    finally:
+        await store.close()
 
 
 async def test_a_stalled_listen_connection_stops_the_copies(

@@ -14,10 +14,16 @@ __all__ = ["Claim", "Health", "Record", "State", "Store", "StoredResponse", "bui
 log = logging.getLogger("idemproxy.store")
 
 
-def build_store(config: StorageConfig, metrics: Metrics | None = None, *, max_body: int = 1024 * 1024) -> Store:
+def build_store(
+    config: StorageConfig, metrics: Metrics | None = None, *, max_body: int = 1024 * 1024,
+    wait_for_postgres: bool = False,
+) -> Store:
     """PostgreSQL (with Redis in front when configured), or the embedded file when neither is named.
 
     ``max_body`` is the largest response body any route stores: reading a compressed value back stops there.
+    ``wait_for_postgres``: a PostgreSQL server still unreachable after ``open()``'s attempts does not fail it; the
+    store opens once the server answers, and until then every operation is ``StoreUnavailable`` (a serving proxy:
+    CONTRACT "Health", a store outage does not take the replica out of service).
     """
     codec = Codec.from_config(config, max_body=max_body, metrics=metrics)
     if config.compression is not None or config.encryption is not None:
@@ -29,7 +35,8 @@ def build_store(config: StorageConfig, metrics: Metrics | None = None, *, max_bo
     from idemproxy.store.postgres import PostgresStore
 
     # Without Redis, PostgreSQL's LISTEN/NOTIFY wakes requests waiting in `in_flight: wait` mode.
-    durable = PostgresStore(config.postgres, metrics, listen=config.redis is None, codec=codec)
+    durable = PostgresStore(config.postgres, metrics, listen=config.redis is None, codec=codec,
+                            wait_for_server=wait_for_postgres)
     if config.redis is None:
         return durable
     from idemproxy.store.redis import RedisFrontedStore

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -393,6 +394,20 @@ _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.Ti
 # The request's own data was refused (a value too long to index, say): permanent, so never "unavailable".
 _DATA_ERRORS = (asyncpg.DataError, asyncpg.ProgramLimitExceededError)  # on a claim: the key or tenant itself
 LISTEN_RETRY = 1.0  # seconds between attempts to re-establish LISTEN after its connection was lost
+# A server restarting, failing over or full, by SQLSTATE: 08 connection, 57 starting or shutting down (or a
+# statement cancelled: a migration lock waited on past the timeout), 53 out of resources, 25006 a standby (read-only)
+# where a primary is wanted.
+_TRANSIENT_AT_CONNECT = (asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError,
+                         asyncpg.InsufficientResourcesError, asyncpg.ReadOnlySQLTransactionError)
+# Raised by the driver before or without the server: the DSN's own options, its certificate files, TLS. (Not
+# FileNotFoundError: that is also a unix socket whose server is not up yet.)
+_REFUSED_BY_CLIENT = (asyncpg.ClientConfigurationError, ssl.SSLError, PermissionError, IsADirectoryError)
+# Every failure connecting can raise: a multi-host DSN whose hosts are none of the kind asked (a failover) is
+# neither a PostgreSQL nor an interface error.
+_CONNECT_ERRORS = (*_DB_ERRORS, ConnectionError, asyncpg.exceptions.TargetServerAttributeNotMatched)
+OPEN_RETRY_FIRST = 0.5  # seconds before the first attempt to open a store that was unreachable at start
+OPEN_RETRY_MAX = 5.0  # seconds between attempts at most (the wait doubles from OPEN_RETRY_FIRST)
+OPEN_WARN_INTERVAL = 60.0  # seconds between warnings that it is still not reachable
 LISTEN_PING = 1.0  # seconds between signs of life asked of the LISTEN connection (a SELECT 1), and its timeout
 LISTEN_LIVE_WINDOW = 2.5  # seconds without an answer on it after which notifications count as lost
 
@@ -438,8 +453,11 @@ def _record(row: Any, codec: Codec) -> Record:
     )
 
 
-def _unavailable(operation: str, exc: BaseException, *, maybe_applied: bool = True) -> StoreUnavailable:
-    log.warning("postgres %s failed: %s: %s", operation, type(exc).__name__, exc)
+def _unavailable(
+    operation: str, exc: BaseException, *, maybe_applied: bool = True, quiet: bool = False
+) -> StoreUnavailable:
+    if not quiet:  # (quiet: the caller says it, as the background opener does once a minute)
+        log.warning("postgres %s failed: %s: %s", operation, type(exc).__name__, exc)
     return StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.", maybe_applied=maybe_applied)
 
 
@@ -642,17 +660,39 @@ def _last(values: list[str] | None) -> str | None:
     return values[-1] if values else None
 
 
+def unreachable(exc: BaseException | None) -> bool:
+    """Whether a failed connect means the server could not be reached, or could not take us yet (a refused, reset
+    or timed-out connection, a name that does not resolve, a server starting up or out of connections): worth
+    waiting for. False when it answered and refused what the DSN asks (credentials, a database that does not
+    exist): a configuration error, which no wait mends."""
+    if isinstance(exc, asyncpg.PostgresError):
+        return isinstance(exc, _TRANSIENT_AT_CONNECT)
+    if isinstance(exc, _REFUSED_BY_CLIENT) or (type(exc) is ConnectionError and "rejected SSL upgrade" in str(exc)):
+        return False  # the DSN's own options (sslmode, a certificate file) or a server without TLS where it asks
+    return isinstance(exc, _CONNECT_ERRORS)
+
+
+def _refusal(exc: BaseException) -> str:
+    """What a connect that ``unreachable`` calls a configuration error says, after the server's name."""
+    said = "refused the connection" if isinstance(exc, asyncpg.PostgresError) else "cannot be connected to"
+    return f"{said}: {exc} ({type(exc).__name__}; check storage.postgres.dsn)"
+
+
 async def connect_with_retries(
     connect: Callable[[], Any], what: str, attempts: int = 5, delay: float = 0.5
 ) -> Any:
-    """Open a connection or pool, retrying a few times with backoff and a log line for each failure."""
+    """Open a connection or pool, retrying a few times with backoff and a log line for each failure. A server
+    that answers and refuses (``unreachable`` is False) is not asked again: the error names what it said."""
     for attempt in range(1, attempts + 1):
         try:
             return await connect()
-        except (*_DB_ERRORS, ConnectionError) as exc:
+        except _CONNECT_ERRORS as exc:
+            if not unreachable(exc):
+                raise StoreUnavailable(f"{what} {_refusal(exc)}", maybe_applied=False) from exc
             if attempt == attempts:
                 raise StoreUnavailable(f"{what} is not reachable after {attempts} attempts "
-                                       f"({type(exc).__name__}; check storage.postgres.dsn)") from exc
+                                       f"({type(exc).__name__}; check storage.postgres.dsn)",
+                                       maybe_applied=False) from exc
             attempts_log.warning("%s not reachable (attempt %d/%d): %s", what, attempt, attempts,
                                  type(exc).__name__)
             await asyncio.sleep(delay * attempt)
@@ -664,13 +704,20 @@ class PostgresStore(Store):
 
     def __init__(
         self, config: PostgresConfig, metrics: Metrics | None = None, *, listen: bool = False,
-        codec: Codec | None = None,
+        codec: Codec | None = None, wait_for_server: bool = False,
     ) -> None:
         super().__init__(metrics)
         self.config = config
         self.codec = codec or Codec()
         self.listen = listen  # LISTEN/NOTIFY wakes `wait` mode when no Redis carries notifications
+        # A server still unreachable after open()'s attempts: open() returns anyway and the store opens in the
+        # background once the server answers (every operation meanwhile: StoreUnavailable). Else open() raises.
+        self.wait_for_server = wait_for_server
         self._pool: Any = None
+        # Operations may use the pool: set once the layout is known (open() done). Before it, the SQL of the
+        # wrong layout could run, and a single-table INSERT into a partitioned parent would skip the per-key lock.
+        self._usable = False
+        self._opening: asyncio.Task[None] | None = None
         self._listener: Any = None
         self._heard = float("-inf")  # when the LISTEN connection last answered (monotonic)
         self._listen_task: asyncio.Task[None] | None = None
@@ -700,21 +747,83 @@ class PostgresStore(Store):
         self.statements += 1
 
     async def open(self) -> None:
-        dsn = self.config.dsn.reveal()
-        self._pool = await connect_with_retries(
-            lambda: asyncpg.create_pool(
-                dsn, min_size=self.config.pool_min, max_size=self.config.pool_max,
-                command_timeout=OPERATION_TIMEOUT, timeout=OPERATION_TIMEOUT,
-                init=self._init_connection, reset=_no_reset,
-            ),
-            server_of(dsn),
+        try:
+            self._pool = await connect_with_retries(self._create_pool, server_of(self.config.dsn.reveal()))
+        except StoreUnavailable as exc:
+            if not (self.wait_for_server and unreachable(exc.__cause__)):
+                raise
+            log.error("%s: serving without it; requests that need the store get 503 store_unavailable until it "
+                      "answers (tried again every %g s at most)", exc.detail, OPEN_RETRY_MAX)
+            self._opening = asyncio.create_task(self._open_when_reachable(), name="idemproxy-pg-open")
+            return
+        try:
+            await self._set_up()
+        except StoreUnavailable as exc:  # connected, then lost it (a restart, a failover, a migration lock wait)
+            if not (self.wait_for_server and unreachable(exc.__cause__)):
+                raise
+            log.error("%s could not be opened (%s: %s): serving without it; requests that need the store get 503 "
+                      "store_unavailable until it opens (tried again every %g s at most)",
+                      server_of(self.config.dsn.reveal()), type(exc.__cause__).__name__, exc.__cause__,
+                      OPEN_RETRY_MAX)
+            self._opening = asyncio.create_task(self._open_when_reachable(), name="idemproxy-pg-open")
+
+    def _create_pool(self) -> Awaitable[Any]:
+        return asyncpg.create_pool(  # type: ignore[no-any-return]
+            self.config.dsn.reveal(), min_size=self.config.pool_min, max_size=self.config.pool_max,
+            command_timeout=OPERATION_TIMEOUT, timeout=OPERATION_TIMEOUT,
+            init=self._init_connection, reset=_no_reset,
         )
-        async with self._conn("open") as conn:
-            if self.config.migrate == "auto":
-                await migrate(conn, self.config.partitions, convert=False)
-            await self._learn_layout(conn)
+
+    async def _set_up(self) -> None:
+        """On a pool just opened: the migrations (``migrate: auto``) and the layout; then operations may run. On
+        failure the pool is closed again."""
+        try:
+            async with self._conn("open") as conn:
+                if self.config.migrate == "auto":
+                    await migrate(conn, self.config.partitions, convert=False)
+                await self._learn_layout(conn)
+        except BaseException:
+            pool, self._pool = self._pool, None
+            pool.terminate()
+            raise
+        self._usable = True
         if self.listen:
             self._listen_task = asyncio.create_task(self._keep_listening(), name="idemproxy-pg-listen")
+
+    async def _open_when_reachable(self) -> None:
+        """open() for a server that was unreachable at start: try again with backoff (0.5 s up to
+        OPEN_RETRY_MAX) until the store is open or closing. A line a minute while it is not: a warning while the
+        server cannot be reached, an error once it answers and refuses (the first refusal said at once)."""
+        what = server_of(self.config.dsn.reveal())
+        delay, warned, refused = OPEN_RETRY_FIRST, time.monotonic(), False
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), delay)
+            if self._closing.is_set():
+                return
+            delay = min(delay * 2, OPEN_RETRY_MAX)
+            connected = False
+            try:
+                self._pool = await self._create_pool()
+                connected = True
+                await self._set_up()
+            except Exception as exc:  # whatever it is, the opener goes on: a store that never opens is worse
+                cause = (exc.__cause__ or exc) if isinstance(exc, StoreUnavailable) else exc
+                now = time.monotonic()
+                if now - warned < OPEN_WARN_INTERVAL and (refused or unreachable(cause)):
+                    continue  # said lately
+                warned = now
+                refused = not unreachable(cause)
+                if refused and not connected:  # it answers now, and refuses: a configuration error
+                    log.error("%s %s; serving without it", what, _refusal(cause))
+                elif refused:  # the migrations or the layout failed on a server that answers
+                    log.error("%s could not be opened: %s (%s); serving without it", what, cause,
+                              type(cause).__name__)
+                else:
+                    log.warning("%s still not reachable (%s)", what, type(cause).__name__)
+                continue
+            log.warning("%s answers: the idempotency store is open", what)
+            return
 
     async def _learn_layout(self, conn: Any) -> None:
         """The table's layout, and whether the batch functions are there (a schema last migrated by an older
@@ -729,6 +838,10 @@ class PostgresStore(Store):
 
     async def close(self) -> None:
         self._closing.set()
+        if self._opening is not None:  # (a pool it was opening meanwhile is closed below)
+            await asyncio.wait({self._opening}, timeout=OPERATION_TIMEOUT + 1)
+            self._opening.cancel()
+            await asyncio.wait({self._opening}, timeout=1)  # its cleanup (terminating a pool) runs now
         await self._claims.close(OPERATION_TIMEOUT)
         await self._completes.close(OPERATION_TIMEOUT)
         if self._unclaiming:
@@ -739,11 +852,12 @@ class PostgresStore(Store):
         if self._listen_task is not None:
             await asyncio.wait({self._listen_task}, timeout=3)
             self._listen_task.cancel()
-        if self._pool is not None:
+        pool = self._pool
+        if pool is not None:
             try:
-                await asyncio.wait_for(self._pool.close(), timeout=5)
+                await asyncio.wait_for(pool.close(), timeout=5)
             except _DB_ERRORS:
-                self._pool.terminate()  # connections still busy after 5 s are cut, not waited for
+                pool.terminate()  # connections still busy after 5 s are cut, not waited for
 
     async def _keep_listening(self) -> None:
         """Hold a LISTEN connection; re-establish it whenever it is lost (a PostgreSQL restart, a cut), and
@@ -810,6 +924,8 @@ class PostgresStore(Store):
         pooled connection with an operation still pending fails the next user with "another operation is in
         progress". With ``spare`` (batches), a connection an earlier batch left aside is taken first, and this
         one is left aside in turn when all went well."""
+        if not self._usable and operation != "open":  # not open yet (unreachable at start): nothing was sent
+            raise StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.", maybe_applied=False)
         conn = self._spare() if spare else None
         if conn is None:
             if not spare:
@@ -819,7 +935,8 @@ class PostgresStore(Store):
                     self._return_spares(float("inf"))  # the pool is empty: what batches left aside is ours first
                 conn = await self._pool.acquire(timeout=OPERATION_TIMEOUT)
             except Exception as exc:
-                raise _unavailable(operation, exc, maybe_applied=False) from exc
+                raise _unavailable(operation, exc, maybe_applied=False, quiet=self._opening_quietly(operation)) \
+                    from exc
             finally:
                 if not spare:
                     self._waiting -= 1
@@ -835,13 +952,17 @@ class PostgresStore(Store):
             if isinstance(exc, _DATA_ERRORS) and operation == "claim":  # the request's own key or tenant
                 raise StoreRejected("The idempotency key or tenant cannot be stored.") from exc
             if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
-                raise _unavailable(operation, exc) from exc
+                raise _unavailable(operation, exc, quiet=self._opening_quietly(operation)) from exc
             raise
         if spare and len(self._spares) < self._max_spares and not self._waiting and not self._closing.is_set():
             self._keep_spare(conn)
             return
         with contextlib.suppress(Exception):
             await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
+
+    def _opening_quietly(self, operation: str) -> bool:
+        """The background opener's own set-up: its failures are logged by it, once a minute."""
+        return operation == "open" and self._opening is not None
 
     def _spare(self) -> Any:
         """The connection a batch left aside most lately, if one is still open (a connection that closed, the
