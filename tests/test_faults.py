@@ -24,7 +24,7 @@ from idemproxy.config import PostgresConfig, SecretURL
 from idemproxy.problems import StoreUnavailable
 from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import RedisFrontedStore
-from tests.conftest import ProxyFactory, RunningProxy
+from tests.conftest import ProxyFactory, RunningProxy, _admin_sql
 from tests.relay import Relay
 from tests.servers import PostgresServer, RedisServer
 from tests.test_concurrency import fire
@@ -313,6 +313,18 @@ async def test_connection_cut_or_stalled_is_503(
     assert upstream.count(key=f"net-{fault}") == 1
 
 
+async def post_while_503(proxy: RunningProxy, key: str, within: float = 15) -> tuple[aiohttp.ClientResponse, bytes]:
+    """The first answer to a covered request that is not 503 (the store not open yet: nothing forwarded), or the
+    last 503 after ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        resp, body = await proxy.post("/v1/charges", key=key, body=CHARGE)
+        if resp.status != 503 or loop.time() > deadline:
+            return resp, body
+        await asyncio.sleep(0.1)
+
+
 @pytest.mark.parametrize("with_redis", [False, True], ids=["postgres", "redis+postgres"])
 async def test_postgres_unreachable_at_start_serves_then_opens_when_it_answers(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
@@ -339,13 +351,7 @@ async def test_postgres_unreachable_at_start_serves_then_opens_when_it_answers(
         assert not health.ready and health.details["postgres"] == "unavailable", health
         assert relay.refused >= 5  # it kept trying
         relay.restore()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 15
-        while True:  # open within the retry interval (5 s at most); a 503 meanwhile forwarded nothing
-            resp, body = await proxy.post("/v1/charges", key="early", body=CHARGE)
-            if resp.status != 503 or loop.time() > deadline:
-                break
-            await asyncio.sleep(0.1)
+        resp, body = await post_while_503(proxy, "early")  # open within the retry interval (5 s at most)
         assert resp.status == 201, (resp.status, body)
         replay, _ = await proxy.post("/v1/charges", key="early", body=CHARGE)
         assert replay.status == 201 and replay.headers["Idempotent-Replayed"] == "true"
@@ -372,18 +378,8 @@ async def test_a_server_that_refuses_once_reachable_is_said_and_opened_when_it_n
             await until(lambda: relay.accepted >= tried + 2, timeout=10)  # refused twice more, unsaid
             resp, body = await proxy.post("/v1/charges", key="late", body=CHARGE)
             assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable", (resp.status, body)
-            conn = await asyncpg.connect(pg_admin_dsn)
-            try:
-                await conn.execute(f"CREATE DATABASE {name}")
-            finally:
-                await conn.close()
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 15
-            while True:
-                resp, body = await proxy.post("/v1/charges", key="late", body=CHARGE)
-                if resp.status != 503 or loop.time() > deadline:
-                    break
-                await asyncio.sleep(0.1)
+            await asyncio.to_thread(_admin_sql, pg_admin_dsn, f"CREATE DATABASE {name}")
+            resp, body = await post_while_503(proxy, "late")
             assert resp.status == 201, (resp.status, body)
             refusals = [r for r in caplog.records if f'database "{name}" does not exist' in r.getMessage()]
             assert len(refusals) == 1 and refusals[0].levelname == "ERROR", [r.getMessage() for r in refusals]
@@ -391,11 +387,7 @@ async def test_a_server_that_refuses_once_reachable_is_said_and_opened_when_it_n
             await proxy.session.close()
             await proxy.server.close()  # closes the store, before its database is dropped
     finally:
-        conn = await asyncpg.connect(pg_admin_dsn)
-        try:
-            await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        finally:
-            await conn.close()
+        await asyncio.to_thread(_admin_sql, pg_admin_dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     assert upstream.count(key="late") == 1
 
 

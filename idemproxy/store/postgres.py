@@ -747,24 +747,18 @@ class PostgresStore(Store):
         self.statements += 1
 
     async def open(self) -> None:
+        what, connected = server_of(self.config.dsn.reveal()), False
         try:
-            self._pool = await connect_with_retries(self._create_pool, server_of(self.config.dsn.reveal()))
+            self._pool = await connect_with_retries(self._create_pool, what)
+            connected = True
+            await self._set_up()  # (a failure here: connected, then lost it: a restart, a failover, a lock wait)
         except StoreUnavailable as exc:
-            if not (self.wait_for_server and unreachable(exc.__cause__)):
+            cause = exc.__cause__
+            if not (self.wait_for_server and unreachable(cause)):
                 raise
+            said = f"{what} could not be opened ({type(cause).__name__}: {cause})" if connected else exc.detail
             log.error("%s: serving without it; requests that need the store get 503 store_unavailable until it "
-                      "answers (tried again every %g s at most)", exc.detail, OPEN_RETRY_MAX)
-            self._opening = asyncio.create_task(self._open_when_reachable(), name="idemproxy-pg-open")
-            return
-        try:
-            await self._set_up()
-        except StoreUnavailable as exc:  # connected, then lost it (a restart, a failover, a migration lock wait)
-            if not (self.wait_for_server and unreachable(exc.__cause__)):
-                raise
-            log.error("%s could not be opened (%s: %s): serving without it; requests that need the store get 503 "
-                      "store_unavailable until it opens (tried again every %g s at most)",
-                      server_of(self.config.dsn.reveal()), type(exc.__cause__).__name__, exc.__cause__,
-                      OPEN_RETRY_MAX)
+                      "answers (tried again every %g s at most)", said, OPEN_RETRY_MAX)
             self._opening = asyncio.create_task(self._open_when_reachable(), name="idemproxy-pg-open")
 
     def _create_pool(self) -> Awaitable[Any]:
