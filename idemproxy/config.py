@@ -397,6 +397,14 @@ def parse_duration(value: Any) -> float:
     return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
 
 
+def _positive_duration(value: Any) -> float:
+    """A duration that must pass before anything can happen (a timeout, a record's life): zero is refused."""
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise _Invalid(f"{value!r} is not a duration above zero")
+    return seconds
+
+
 def parse_size(value: Any) -> int:
     """``512KiB``, ``1MiB`` or plain bytes → bytes."""
     if isinstance(value, bool):
@@ -463,6 +471,11 @@ def _choice(*options: str) -> Callable[[Any], str]:
         return str(value)
 
     return parse
+
+
+def _migrate(value: Any) -> str:
+    """``auto`` or ``off``; YAML 1.1 reads a bare ``off`` as false, which means the same."""
+    return "off" if value is False else _choice("auto", "off")(value)
 
 
 def _token(value: Any) -> str:
@@ -590,7 +603,7 @@ _IDEMPOTENCY_SPEC: _Spec = {
     "methods": _list(_method),
     "required": _bool,
     "key_max_length": _int(1, KEY_MAX_LENGTH_LIMIT),
-    "ttl": parse_duration,
+    "ttl": _positive_duration,
     "lease": parse_duration,
     "in_flight": _choice("reject", "wait"),
     "wait_timeout": parse_duration,
@@ -627,8 +640,8 @@ _SPECS: dict[type[Any], _Spec] = {
     RequestIdConfig: {"header": _token},
     UpstreamConfig: {
         "url": _http_url,
-        "connect_timeout": parse_duration,
-        "timeout": parse_duration,
+        "connect_timeout": _positive_duration,
+        "timeout": _positive_duration,
         "max_connections": _int(1, 100_000),
         "forward_key": _bool,
     },
@@ -649,7 +662,7 @@ _SPECS: dict[type[Any], _Spec] = {
         "dsn": _pg_dsn,
         "pool_min": _int(1, 1000),
         "pool_max": _int(1, 1000),
-        "migrate": _choice("auto", "off"),
+        "migrate": _migrate,
         "partitions": _choice("daily", "none"),
     },
     TracingConfig: {
@@ -709,10 +722,11 @@ class _Loader:
 
         def expand(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
-            if name in self.env:
-                return self.env[name]
-            if default is not None:
+            held = self.env.get(name)
+            if default is not None and not held:  # ":-" as in the shell: unset or empty takes the default
                 return default
+            if held is not None:
+                return held
             self.error(path, f"environment variable {name} is not set (use ${{{name}:-default}})")
             return ""
 

@@ -112,6 +112,16 @@ def test_sizes(text: Any, size: int) -> None:
          "idempotency.key_max_length: 3000 is out of range (1..1024)"),
         ({"upstream": UP, "idempotency": {"settle_timeout": "soon"}},
          "idempotency.settle_timeout: 'soon' is not a duration"),
+        # a zero that would turn every covered request into a 504 or a 502, or make every record expire at once
+        ({"upstream": {**UP, "timeout": 0}}, "upstream.timeout: 0 is not a duration above zero"),
+        ({"upstream": {**UP, "connect_timeout": "0s"}},
+         "upstream.connect_timeout: '0s' is not a duration above zero"),
+        ({"upstream": UP, "idempotency": {"ttl": "0ms"}}, "idempotency.ttl: '0ms' is not a duration above zero"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "ttl": 0}]}, "routes[0].ttl: 0 is not a duration above zero"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "upstream": {**UP, "timeout": "0s"}}]},
+         "routes[0].upstream.timeout: '0s' is not a duration above zero"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d", "migrate": True}}},
+         "storage.postgres.migrate: True is not one of auto, off"),
         ({"upstream": UP, "storage": {"pending_settles": {"max_count": 0}}},
          "storage.pending_settles.max_count: 0 is out of range"),
         ({"upstream": UP, "storage": {"pending_settles": {"max_bytes": "512KiB"}}},
@@ -251,6 +261,26 @@ def test_env_substitution_types_whole_values_and_keeps_defaults() -> None:
     assert config.upstream.url == "http://10.0.0.9:9000" and config.upstream.forward_key is False
     assert config.listen.port == 8181 and config.idempotency.ttl == 7200
     assert not config.admin.token
+
+
+def test_a_default_stands_for_a_variable_unset_or_empty_as_in_the_shell() -> None:
+    raw = {"upstream": {"url": "${UP:-http://127.0.0.1:9000}"}, "listen": {"port": "${PORT:-8181}"},
+           "idempotency": {"header": "${HEADER}"}}
+    for env in ({}, {"UP": "", "PORT": ""}):
+        config = load_config(raw, env={**env, "HEADER": "Idem-Key"})
+        assert config.upstream.url == "http://127.0.0.1:9000" and config.listen.port == 8181
+    config = load_config(raw, env={"UP": "http://10.0.0.9:9000", "PORT": "9191", "HEADER": "Idem-Key"})
+    assert config.upstream.url == "http://10.0.0.9:9000" and config.listen.port == 9191
+    with pytest.raises(ConfigError, match=r"idempotency\.header: '' is not a valid HTTP token"):
+        load_config(raw, env={"HEADER": ""})  # no default: set but empty is empty
+
+
+def test_migrate_off_reads_as_yaml_writes_it_bare() -> None:
+    raw = yaml.safe_load("upstream: {url: http://127.0.0.1:9000}\n"
+                         "storage: {postgres: {dsn: postgresql://h/d, migrate: off}}\n")
+    assert raw["storage"]["postgres"]["migrate"] is False  # YAML 1.1's reading of a bare off
+    config = load_config(raw, env={})
+    assert config.storage.postgres is not None and config.storage.postgres.migrate == "off"
 
 
 def test_secrets_are_masked_in_repr_and_check_config(tmp_path: Path) -> None:
