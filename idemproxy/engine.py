@@ -442,13 +442,16 @@ class Engine:
         loop = self._loop
         if loop is None:  # (the serving loop, kept: asyncio.get_running_loop() costs a system call on 3.11)
             loop = self._loop = asyncio.get_running_loop()
-        task = loop.create_task(self._forward_and_settle(request, claim, body, idem, ex))
         done = loop.create_future()
+        task = loop.create_task(self._forward_and_settle(request, claim, body, idem, ex, done))
         self._tasks.add(task)
         self._in_flight_up()
         task.add_done_callback(partial(self._forward_done, done))
         try:
             await done
+            if not task.done():  # settle_timeout passed while the completion was still on its way
+                task.add_done_callback(_release_upstream)  # it goes on; nobody will read the answer now
+                raise _not_stored_yet()
             forwarded = task.result()
         except asyncio.CancelledError:
             task.add_done_callback(_release_upstream)  # nobody will read the answer now
@@ -476,12 +479,15 @@ class Engine:
             done.set_result(None)
 
     async def _forward_and_settle(
-        self, request: web.BaseRequest, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange
+        self, request: web.BaseRequest, claim: Claim, body: bytes, idem: IdempotencyConfig, ex: _Exchange,
+        due: asyncio.Future[None],
     ) -> _Forwarded | web.Response:
         """Forward once; then store, release or keep the lease (outcome table) before answering.
 
         Returns the upstream's answer once its record is settled, or (when the completion was refused) the
         answer the record gives now: an answer that is not stored never reaches the client (guarantee 2).
+        ``due`` is the handler's: set when ``settle_timeout`` has passed with the completion still on its way,
+        so the client gets its 503 on time while this task goes on.
         """
         try:
             # Everything that can fail before a byte is sent: a failure here releases the key at once.
@@ -514,15 +520,15 @@ class Engine:
         except (UpstreamTimeout, UpstreamReset) as problem:
             with self.tracer.span("idemproxy.settle"):
                 if isinstance(problem, UpstreamAnswerRefused) and problem.original_status:
-                    return await self._unrelayable(claim, idem, problem, request.get(REQUEST_ID, ""))
-                await self._unknown_outcome(claim, idem, problem_response(problem, request.get(REQUEST_ID, "")))
+                    return await self._unrelayable(claim, idem, problem, request.get(REQUEST_ID, ""), due)
+                await self._unknown_outcome(claim, idem, problem_response(problem, request.get(REQUEST_ID, "")), due)
             raise
         finally:
             ex.upstream_seconds += time.perf_counter() - started
         try:
             with self.tracer.span("idemproxy.settle"):
                 refused = await self._settle_answer(claim, idem, upstream, head, complete,
-                                                    request.get(REQUEST_ID, ""))
+                                                    request.get(REQUEST_ID, ""), due)
         except BaseException:
             upstream.release()
             raise
@@ -535,7 +541,7 @@ class Engine:
 
     async def _settle_answer(
         self, claim: Claim, idem: IdempotencyConfig, upstream: UpstreamResponse,
-        head: bytes, complete: bool, request_id: str = "",
+        head: bytes, complete: bool, request_id: str, due: asyncio.Future[None],
     ) -> web.Response | None:
         """Complete or release per the outcome table; a refused completion returns what the record says."""
         stored = StoredResponse(
@@ -543,21 +549,22 @@ class Engine:
             headers=tuple(replay_headers(upstream, idem, request_id).items()),
             body=head if complete else None,
         )
-        return await self._settle_stored(claim, idem, stored)
+        return await self._settle_stored(claim, idem, stored, due)
 
     async def _settle_stored(
-        self, claim: Claim, idem: IdempotencyConfig, stored: StoredResponse
+        self, claim: Claim, idem: IdempotencyConfig, stored: StoredResponse, due: asyncio.Future[None]
     ) -> web.Response | None:
         disposition = _disposition(stored.status, idem)
         if disposition == "release":
             await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
             return None
         if disposition == "unknown":
-            return await self._unknown_outcome(claim, idem, stored)
-        return await self._complete(claim, stored, idem)
+            return await self._unknown_outcome(claim, idem, stored, due)
+        return await self._complete(claim, stored, idem, due)
 
     async def _unrelayable(
-        self, claim: Claim, idem: IdempotencyConfig, problem: UpstreamAnswerRefused, request_id: str
+        self, claim: Claim, idem: IdempotencyConfig, problem: UpstreamAnswerRefused, request_id: str,
+        due: asyncio.Future[None],
     ) -> web.Response:
         """The upstream answered, in a form the proxy does not relay: its status is settled as the outcome table says,
         an answer kept without headers or body (as one too large to store is: a retry gets 502
@@ -566,7 +573,7 @@ class Engine:
         status = problem.original_status
         stored = StoredResponse(
             status=status, headers=(("Original-Request-Id", request_id),) if request_id else (), body=None)
-        refused = await self._settle_stored(claim, idem, stored)
+        refused = await self._settle_stored(claim, idem, stored, due)
         if refused is not None:
             return refused
         disposition = _disposition(status, idem)
@@ -576,39 +583,45 @@ class Engine:
         raise problem
 
     async def _unknown_outcome(
-        self, claim: Claim, idem: IdempotencyConfig, answer: StoredResponse
+        self, claim: Claim, idem: IdempotencyConfig, answer: StoredResponse, due: asyncio.Future[None]
     ) -> web.Response | None:
         """The upstream may or may not have executed: apply ``on_unknown_outcome``."""
         if idem.on_unknown_outcome == "release":
             await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
         elif idem.on_unknown_outcome == "store":
-            return await self._complete(claim, answer, idem)
+            return await self._complete(claim, answer, idem, due)
         # keep_lease: the record stays in flight; after the lease a retry takes it over.
         return None
 
     async def _complete(
-        self, claim: Claim, stored: StoredResponse, idem: IdempotencyConfig
+        self, claim: Claim, stored: StoredResponse, idem: IdempotencyConfig, due: asyncio.Future[None]
     ) -> web.Response | None:
         """Store the answer before anyone sees it. None: stored, send it. A response: the completion was
         refused (taken over or released meanwhile) and this is what the record says instead."""
         size = len(stored.body or b"") + sum(len(k) + len(v) for k, v in stored.headers)
-        landed = await self.settler.complete(
-            lambda: self.store.complete(claim, stored, ttl=idem.ttl),
-            size=size, wait=idem.settle_timeout, give_up_after=idem.ttl,
-        )
-        if landed:
-            return None
-        tenant, key = short_hash(claim.record.tenant), short_hash(claim.record.key)
-        if landed is None:
-            log.error("store still unavailable after settle_timeout; answering 503 (tenant %s key %s), "
-                      "the completion goes on in the background", tenant, key)
-            raise StoreUnavailable(
-                "The request was forwarded, but its answer could not be stored yet; retry with the same "
-                "idempotency key to get it once the store is back.",
-                forwarded=True,
+        loop = self._loop or asyncio.get_running_loop()
+        # settle_timeout bounds the client's wait whatever the store does: an attempt hung on it (up to the
+        # store's own timeout), or the record read after a refusal. When it passes, the handler answers 503.
+        deadline = loop.time() + idem.settle_timeout
+        timer = loop.call_at(deadline, _overdue, claim, due)
+        try:
+            landed = await self.settler.complete(
+                lambda: self.store.complete(claim, stored, ttl=idem.ttl),
+                size=size, wait=idem.settle_timeout, give_up_after=idem.ttl,
             )
-        log.warning("completion refused: the key was taken over or released (tenant %s key %s)", tenant, key)
-        return await self._record_says(claim, idem)
+            tenant, key = short_hash(claim.record.tenant), short_hash(claim.record.key)
+            if landed is not None and loop.time() >= deadline:  # (the client has had its 503, or is gone)
+                log.warning("completion %s after settle_timeout (tenant %s key %s)",
+                            "landed" if landed else "refused", tenant, key)
+            if landed:
+                return None
+            if landed is None:
+                _overdue(claim, due)  # (unless the timer said it already)
+                raise _not_stored_yet()
+            log.warning("completion refused: the key was taken over or released (tenant %s key %s)", tenant, key)
+            return await self._record_says(claim, idem)
+        finally:
+            timer.cancel()
 
     async def _record_says(self, claim: Claim, idem: IdempotencyConfig) -> web.Response:
         """After a refused completion: the record's answer now (replay, 422 or 409; ``wait`` mode waits for
@@ -716,6 +729,25 @@ async def _read_answer(upstream: UpstreamResponse, limit: int) -> tuple[bytes, b
             raise
         what = "a body that stalled" if isinstance(exc, TimeoutError) else "a body that broke off"
         raise UpstreamUnrelayable(upstream.status, what) from exc
+
+
+def _overdue(claim: Claim, due: asyncio.Future[None]) -> None:
+    """``settle_timeout`` has passed with the completion still failing, or still waiting on a hung store: the
+    handler answers 503 now (``_not_stored_yet``) and the completion goes on in the background. Once only, and
+    not for a handler gone (its future cancelled) or answered already."""
+    if due.done():
+        return
+    log.error("store still unavailable after settle_timeout; answering 503 (tenant %s key %s), "
+              "the completion goes on in the background", short_hash(claim.record.tenant), short_hash(claim.record.key))
+    due.set_result(None)
+
+
+def _not_stored_yet() -> StoreUnavailable:
+    return StoreUnavailable(
+        "The request was forwarded, but its answer could not be stored yet; retry with the same "
+        "idempotency key to get it once the store is back.",
+        forwarded=True,
+    )
 
 
 def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:

@@ -9,8 +9,13 @@ module makes it happen through a store outage:
   key was taken over or released meanwhile), or still pending — then the retries go on in the background
   until the completion lands or is refused, so a retry after the store returns is a replay, not a second
   execution;
-- a **release** is tried once in line and, if the store failed, retried in the background until the lease
-  would run out anyway.
+- a **release** is tried at once; the answer waits for it at most ``RELEASE_WAIT`` (a hung store must not hold
+  an answer the outcome table gives at once), and if the store failed, or is still on it, the release is retried
+  in the background until the lease would run out anyway.
+
+A completion's first attempt runs in line, so a hung store (rather than one that refuses) can hold
+:meth:`Settler.complete` past ``settle_timeout``, up to the store's own operation timeout: the engine keeps its
+own timer and answers the client on time, while the attempt and the retries go on.
 
 Background work is bounded by count and bytes (the oldest is dropped beyond either bound, with an error log
 and a metric), survives no crash (a crash is a lease takeover), and is flushed on graceful shutdown.
@@ -22,8 +27,9 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from idemproxy.config import PendingSettlesConfig
 from idemproxy.metrics import Metrics
@@ -33,8 +39,9 @@ log = logging.getLogger("idemproxy.settle")
 
 FIRST_RETRY = 0.1  # seconds: the first retry comes within this
 MAX_RETRY_GAP = 0.5  # seconds: retries are never further apart than this
+RELEASE_WAIT = 0.5  # seconds an answer waits for its release before it goes out (the release goes on)
 
-Operation = Callable[[], Awaitable[bool]]
+Operation = Callable[[], Coroutine[Any, Any, bool]]
 
 
 def retry_delay(attempt: int) -> float:
@@ -49,6 +56,7 @@ class _Job:
     run: Operation
     size: int  # bytes held (the stored answer), for the bound
     deadline: float  # time.monotonic() after which the retries stop
+    first: asyncio.Task[bool] | None = field(default=None, repr=False)  # an attempt still on its way, awaited first
     dropped: bool = False
     task: asyncio.Task[bool | None] | None = field(default=None, repr=False)
 
@@ -63,30 +71,57 @@ class Settler:
         # possibly many during an outage) must never push out a completion, whose loss is a second execution.
         self._jobs: dict[str, dict[_Job, None]] = {"complete": {}, "release": {}}
         self._bytes = 0
+        self._tasks: set[asyncio.Task[bool | None]] = set()  # every job's, dropped ones too, until it ends
+        self._loop: asyncio.AbstractEventLoop | None = None  # (asked once: on 3.11 asking costs a system call)
+
+    def _keep_loop(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
 
     @property
     def pending(self) -> int:
         return sum(len(jobs) for jobs in self._jobs.values())
 
     async def complete(self, run: Operation, *, size: int, wait: float, give_up_after: float) -> bool | None:
-        """Run a fenced completion: True landed, False refused, None still failing after ``wait`` seconds
-        (the retries then go on in the background for up to ``give_up_after`` seconds)."""
+        """Run a fenced completion: True landed, False refused, None still failing ``wait`` seconds after this
+        call began (the retries then go on in the background for up to ``give_up_after`` seconds).
+
+        The first attempt runs in line (the common case costs no task), so this call can end later than
+        ``wait`` when that attempt hangs on the store, up to the store's own operation timeout: a caller that
+        must answer on time keeps a timer of its own (the engine does)."""
+        started = time.monotonic()
         try:
             return await run()
         except StoreUnavailable:
             log.warning("store unavailable during complete; retrying for up to %gs", wait)
         job = self._start("complete", run, size, time.monotonic() + give_up_after)
         assert job.task is not None
-        done, _ = await asyncio.wait({job.task}, timeout=wait)
+        left = started + wait - time.monotonic()
+        if left <= 0:
+            return None
+        done, _ = await asyncio.wait({job.task}, timeout=left)
         return job.task.result() if done else None
 
     async def release(self, run: Operation, *, until: float) -> None:
-        """Release now; if the store fails, retry in the background until ``until`` (monotonic)."""
+        """Release now; the answer waits for it at most ``RELEASE_WAIT``. If the store failed, or is still on
+        it, the release goes on in the background until ``until`` (monotonic)."""
+        loop = self._loop or self._keep_loop()
+        attempt = loop.create_task(run())
         try:
-            await run()
-        except StoreUnavailable:
+            done, _ = await asyncio.wait({attempt}, timeout=RELEASE_WAIT)
+        except asyncio.CancelledError:  # the caller is gone; the release is not
+            self._start("release", run, 0, until, first=attempt)
+            raise
+        if not done:
+            log.warning("store slow to release; answering now, the release goes on in the background")
+            self._start("release", run, 0, until, first=attempt)
+            return
+        error = attempt.exception()
+        if isinstance(error, StoreUnavailable):
             log.warning("store unavailable during release; retrying in the background")
             self._start("release", run, 0, until)
+        elif error is not None:
+            raise error
 
     def release_later(self, run: Operation, *, until: float) -> None:
         """Release in the background only (the store just failed: trying now would wait on it again)."""
@@ -94,7 +129,7 @@ class Settler:
 
     async def flush(self, timeout: float) -> None:
         """At shutdown: let pending work land for up to ``timeout`` seconds, then drop what is left."""
-        tasks = {job.task for jobs in self._jobs.values() for job in jobs if job.task is not None}
+        tasks = set(self._tasks)  # (a job dropped by the bound may still wait on its first attempt)
         if not tasks:
             return
         log.info("flushing %d pending settles (up to %gs)", len(tasks), timeout)
@@ -109,12 +144,17 @@ class Settler:
 
     # ------------------------------------------------------------------ background jobs
 
-    def _start(self, operation: str, run: Operation, size: int, deadline: float) -> _Job:
-        job = _Job(operation, run, size, deadline)
+    def _start(
+        self, operation: str, run: Operation, size: int, deadline: float, first: asyncio.Task[bool] | None = None
+    ) -> _Job:
+        job = _Job(operation, run, size, deadline, first)
         jobs = self._jobs[operation]
         jobs[job] = None
         self._bytes += size
-        job.task = asyncio.get_running_loop().create_task(self._retry(job), name=f"idemproxy-settle-{operation}")
+        loop = self._loop or self._keep_loop()
+        job.task = loop.create_task(self._retry(job), name=f"idemproxy-settle-{operation}")
+        self._tasks.add(job.task)
+        job.task.add_done_callback(self._tasks.discard)
         self.metrics.pending_settles.set(self.pending)
         while jobs and (len(jobs) > self.bounds.max_count
                         or (operation == "complete" and self._bytes > self.bounds.max_bytes)):
@@ -142,6 +182,14 @@ class Settler:
     async def _retry(self, job: _Job) -> bool | None:
         attempt = 0
         try:
+            if job.first is not None:  # the caller's attempt, still waiting on the store: its verdict first
+                try:
+                    return await job.first
+                except StoreUnavailable:
+                    pass
+                except Exception:  # nobody waits for this task's result: say it here, or it is lost
+                    log.exception("pending %s failed", job.operation)
+                    return None
             while True:
                 attempt += 1
                 await asyncio.sleep(retry_delay(attempt))
@@ -152,6 +200,9 @@ class Settler:
                     result = await job.run()
                 except StoreUnavailable:
                     continue
+                except Exception:
+                    log.exception("pending %s failed after %d retries", job.operation, attempt)
+                    return None
                 log.warning("pending %s %s after %d retries", job.operation,
                             "landed" if result else "refused (the key was taken over or released)", attempt)
                 return result
