@@ -90,6 +90,8 @@ class Proxy:
             name: "opening" for name, used in (("postgres", storage.postgres is not None),
                                                ("redis", storage.redis is not None),
                                                ("embedded", storage.postgres is None)) if used}
+        for backend in self._store_states:  # and idemproxy_store_up says the same: 0, not absent, until then
+            self.metrics.store_up.labels(backend).set(0)
         self._background: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         # set once the sweep at start has run (or failed): the store work of the start is over

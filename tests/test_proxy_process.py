@@ -248,6 +248,8 @@ async def test_readyz_is_503_while_starting(proxy_process: Factory, requires_sto
                 continue
             seen.add((status, body["status"], json.dumps(body["stores"])))
             assert healthz == 200
+            async with session.get(proxy.admin_url + "/metrics") as resp:  # the gauge says what /readyz says
+                assert 'idemproxy_store_up{backend="postgres"} 0.0' in await resp.text()
             await asyncio.sleep(0.05)
     # (between the attempts' end and the port's listening, "starting" may name it unavailable already)
     assert {(503, "starting", '{"postgres": "opening"}'), after} <= seen <= {
