@@ -104,11 +104,8 @@ def _load(path: str | None, overrides: dict[str, Any] | None = None) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    overrides = _overrides(args)
-    if args.config is None:
-        # First-try defaults: no file, so no tenant header to demand; one static tenant.
-        overrides["tenant.from"] = "static"
-    config = _load(args.config, overrides)
+    # No file: the defaults plus the flags (CONTRACT "Command line"), the tenant from Authorization included.
+    config = _load(args.config, _overrides(args))
     setup_logging(config.log)
     require(config.tracing)  # before any worker starts: one clear line instead of one traceback each
     if config.workers > 1 and not args.reuse_port:

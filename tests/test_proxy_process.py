@@ -270,13 +270,19 @@ async def test_serve_with_only_an_upstream_flag_runs_on_the_embedded_store(
     try:
         await wait_ready(f"http://127.0.0.1:{admin}", proc)
         async with aiohttp.ClientSession() as session:
-            # no tenant header: first-try defaults use a static tenant
+            url = f"http://127.0.0.1:{port}/v1/charges"
+            # the defaults, as with a file that sets nothing: the tenant is the Authorization header, required
+            async with session.post(url, json={"a": 1}, headers={"Idempotency-Key": "first-try"}) as resp:
+                assert resp.status == 401 and (await resp.json())["code"] == "missing_tenant"
             for _ in range(2):
-                async with session.post(f"http://127.0.0.1:{port}/v1/charges", json={"a": 1},
-                                        headers={"Idempotency-Key": "first-try"}) as resp:
+                async with session.post(url, json={"a": 1}, headers={"Idempotency-Key": "first-try",
+                                                                     "Authorization": "Bearer sk_a"}) as resp:
                     assert resp.status == 201
                     replayed = resp.headers["Idempotent-Replayed"]
-        assert replayed == "true" and upstream.count(key="first-try") == 1
+            async with session.post(url, json={"a": 1}, headers={"Idempotency-Key": "first-try",
+                                                                 "Authorization": "Bearer sk_b"}) as resp:
+                assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"  # another tenant
+        assert replayed == "true" and upstream.count(key="first-try") == 2
     finally:
         proc.terminate()
         output = proc.communicate(timeout=20)[0].decode()
