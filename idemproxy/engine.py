@@ -600,8 +600,9 @@ class Engine:
         refused (taken over or released meanwhile) and this is what the record says instead."""
         size = len(stored.body or b"") + sum(len(k) + len(v) for k, v in stored.headers)
         loop = self._loop or asyncio.get_running_loop()
-        # settle_timeout bounds the client's wait whatever the store does: an attempt hung on it (up to the
-        # store's own timeout), or the record read after a refusal. When it passes, the handler answers 503.
+        # settle_timeout bounds the client's wait for the store whatever it does: an attempt hung on it (up to
+        # the store's own timeout), or the first read of the record after a refusal (not a wait for a new owner's
+        # answer in wait mode: wait_timeout bounds that). When it passes, the handler answers 503.
         deadline = loop.time() + idem.settle_timeout
         timer = loop.call_at(deadline, _overdue, claim, due)
         try:
@@ -618,14 +619,17 @@ class Engine:
             if landed is None:
                 _overdue(claim, due)  # (unless the timer said it already)
                 raise _not_stored_yet()
+            if due.done():  # the handler has answered, or is gone: nobody reads what the record says
+                raise _not_stored_yet()
             log.warning("completion refused: the key was taken over or released (tenant %s key %s)", tenant, key)
-            return await self._record_says(claim, idem)
+            return await self._record_says(claim, idem, timer)
         finally:
             timer.cancel()
 
-    async def _record_says(self, claim: Claim, idem: IdempotencyConfig) -> web.Response:
+    async def _record_says(self, claim: Claim, idem: IdempotencyConfig, overdue: asyncio.TimerHandle) -> web.Response:
         """After a refused completion: the record's answer now (replay, 422 or 409; ``wait`` mode waits for
-        an in-flight owner). Never a second forward: this request already executed once."""
+        an in-flight owner). Never a second forward: this request already executed once. ``overdue`` (the
+        settle_timeout timer) still runs for the first read, and is stopped once the store has answered."""
         tenant, key, fp = claim.record.tenant, claim.record.key, claim.record.fingerprint
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (idem.wait_timeout if idem.in_flight == "wait" else 0.0)
@@ -636,6 +640,7 @@ class Engine:
                 except StoreUnavailable:
                     raise StoreUnavailable("The request was forwarded, but the store is unavailable.",
                                            forwarded=True) from None
+                overdue.cancel()
                 now = time.time()
                 remaining = deadline - loop.time()
                 if record is None or record.expired(now):

@@ -154,12 +154,17 @@ class Settler:
         loop = self._loop or self._keep_loop()
         job.task = loop.create_task(self._retry(job), name=f"idemproxy-settle-{operation}")
         self._tasks.add(job.task)
-        job.task.add_done_callback(self._tasks.discard)
+        job.task.add_done_callback(self._ended)
         self.metrics.pending_settles.set(self.pending)
         while jobs and (len(jobs) > self.bounds.max_count
                         or (operation == "complete" and self._bytes > self.bounds.max_bytes)):
             self._drop(next(iter(jobs)), "bound")
         return job
+
+    def _ended(self, task: asyncio.Task[bool | None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # (retrieved: an error was logged where it happened, and a waiter still gets it)
 
     def _drop(self, job: _Job, why: str) -> None:
         if job.dropped:
@@ -187,9 +192,9 @@ class Settler:
                     return await job.first
                 except StoreUnavailable:
                     pass
-                except Exception:  # nobody waits for this task's result: say it here, or it is lost
+                except Exception:  # said here: a background job may have nobody waiting for its result
                     log.exception("pending %s failed", job.operation)
-                    return None
+                    raise
             while True:
                 attempt += 1
                 await asyncio.sleep(retry_delay(attempt))
@@ -202,7 +207,7 @@ class Settler:
                     continue
                 except Exception:
                     log.exception("pending %s failed after %d retries", job.operation, attempt)
-                    return None
+                    raise
                 log.warning("pending %s %s after %d retries", job.operation,
                             "landed" if result else "refused (the key was taken over or released)", attempt)
                 return result

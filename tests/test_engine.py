@@ -782,6 +782,28 @@ async def test_admin_release_of_an_in_flight_key_the_owner_never_answers_its_uns
     assert "Idempotent-Replayed" not in resp.headers
 
 
+async def test_a_refused_owner_in_wait_mode_waits_for_the_new_owner_past_settle_timeout(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """settle_timeout bounds a wait for the store, not wait mode's wait for a new owner's answer: with the store
+    healthy, the refused owner's client gets that answer (a replay), never a 503 "store unavailable"."""
+    proxy = await make_proxy("postgres", idempotency={"in_flight": "wait", "wait_timeout": "5s",
+                                                      "settle_timeout": "500ms"})
+    first = asyncio.ensure_future(proxy.post("/v1/charges", key="w", body=CHARGE, headers={"X-Test-Delay": "0.5"}))
+    while upstream.count(key="w") == 0:
+        await asyncio.sleep(0.005)
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    assert await proxy.proxy.store.forget(tenant, "w")  # released by an operator while it executes
+    second = asyncio.ensure_future(proxy.post("/v1/charges", key="w", body=CHARGE, headers={"X-Test-Delay": "2"}))
+    while upstream.count(key="w") < 2:
+        await asyncio.sleep(0.005)
+    resp, body = await first  # refused, then waits ~1.5 s for the second's answer: longer than settle_timeout
+    new_resp, new_body = await second
+    assert new_resp.status == 201 and new_resp.headers["Idempotent-Replayed"] == "false"
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "true", (resp.status, body)
+    assert body == new_body
+
+
 async def test_forward_key_sends_the_key_as_the_proxy_understood_it(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:

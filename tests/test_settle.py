@@ -278,3 +278,26 @@ async def test_background_releases_never_push_out_a_pending_completion() -> None
     store_up.set()
     await settler.flush(5)
     assert "complete" in landed and sorted(landed) == ["complete", "release-3", "release-4"]
+
+
+async def test_an_unexpected_error_of_a_retry_reaches_the_waiting_caller() -> None:
+    """Not "still pending" (the engine would promise a background completion that no longer runs): the error
+    the retry met, as the first attempt's would have been."""
+    from idemproxy.config import PendingSettlesConfig
+    from idemproxy.metrics import Metrics
+    from idemproxy.problems import StoreUnavailable
+    from idemproxy.settle import Settler
+
+    calls = 0
+
+    async def run() -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise StoreUnavailable("down")
+        raise RuntimeError("a bug, not an outage")
+
+    settler = Settler(Metrics(), PendingSettlesConfig(max_count=10, max_bytes=1 << 20))
+    with pytest.raises(RuntimeError, match="a bug"):
+        await settler.complete(run, size=10, wait=5, give_up_after=60)
+    assert calls == 2 and settler.pending == 0
