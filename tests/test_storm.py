@@ -2,7 +2,8 @@
 
 Clients (asyncio tasks here) each own a key and retry it, with the same body, on 409, 5xx and broken connections
 until they get a final answer. Meanwhile, one at a time: a replica is killed with SIGKILL and restarted, the network
-to PostgreSQL or Redis is cut (a relay from tests/relay.py sits between the proxies and each store), PostgreSQL is
+to PostgreSQL or Redis is cut or black-holed (a relay from tests/relay.py sits between the proxies and each store;
+held bytes go through late when it lifts), PostgreSQL is
 restarted in immediate mode, Redis is restarted empty, and the upstream executes requests and then hangs up without
 answering. Afterwards every key is read once more, and the upstream's own log of what it executed is held against
 what the clients were told. Every violation is collected and printed before the test fails.
@@ -50,7 +51,8 @@ WORKERS = 12
 REPLICAS = 3
 BASE_DROP_RATE = 0.01  # the upstream executes and hangs up without answering, now and then...
 STORM_DROP_RATE = 0.3  # ...and often during an upstream_drop fault
-FAULT_KINDS = ("kill_proxy", "pg_cut", "pg_restart", "redis_cut", "redis_restart", "upstream_drop")
+FAULT_KINDS = ("kill_proxy", "pg_cut", "pg_stall", "pg_restart", "redis_cut", "redis_stall", "redis_restart",
+               "upstream_drop")
 WORK_SECONDS = (0.02, 0.4)  # how long the upstream takes; well under upstream.timeout (1 s)
 PATH = "/v1/charges"
 EXAMPLES = 6
@@ -260,18 +262,26 @@ class Storm:
         await self.proxies[victim].start()
         self.live.add(victim)
 
-    async def _cut(self, relay: Relay, fault: Fault, low: float, high: float) -> None:
+    async def _cut(self, relay: Relay, fault: Fault, low: float, high: float, stall: bool = False) -> None:
+        """Cut (connections closed, new ones refused) or stall (a black hole: held, answered by nobody, then
+        let through late) the network to a store for a while."""
         seconds = self.rng.uniform(low, high)
         fault.detail = f"{seconds:.1f}s"
-        relay.cut()
+        relay.stall() if stall else relay.cut()
         await asyncio.sleep(seconds)
         relay.restore()
 
     async def _pg_cut(self, fault: Fault) -> None:
         await self._cut(self.pg_relay, fault, 2, 4)
 
+    async def _pg_stall(self, fault: Fault) -> None:  # past the store's 5 s operation timeout, now and then
+        await self._cut(self.pg_relay, fault, 2, 6, stall=True)
+
     async def _redis_cut(self, fault: Fault) -> None:
         await self._cut(self.redis_relay, fault, 1, 3)
+
+    async def _redis_stall(self, fault: Fault) -> None:
+        await self._cut(self.redis_relay, fault, 1, 4, stall=True)
 
     async def _pg_restart(self, fault: Fault) -> None:
         down = self.rng.uniform(0, 1)
