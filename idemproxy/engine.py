@@ -81,6 +81,7 @@ access_log = logging.getLogger("idemproxy.access")
 UNGUARDED_HEADER = "Idempotency-Status"
 ANONYMOUS_TENANT = "-"
 _UNKNOWN_STATUSES = frozenset({502, 504})  # the upstream (or a gateway before it) may have executed
+SETTLE_CHECK = 0.1  # seconds between looks for completions past settle_timeout (one timer, not one per request)
 
 
 @dataclass
@@ -169,6 +170,11 @@ class Engine:
         store.watchers.listeners.append(self.replays.invalidate)
         self._tasks: set[asyncio.Task[_Forwarded | web.Response]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Completions in progress, by their handler's future: when settle_timeout passes and the claim they are
+        # for. Looked at every SETTLE_CHECK while any is there (a timer per request would cost each first
+        # request 1 % more instructions, for a case that is an outage).
+        self._settling: dict[asyncio.Future[None], tuple[float, Claim]] = {}
+        self._settle_watch: asyncio.TimerHandle | None = None
         self._in_flight_up, self._in_flight_down = adder(metrics.in_flight), adder(metrics.in_flight, -1)
         # Access lines are written at the configured level (so "debug" hides them under an info root).
         level = config.log.access
@@ -603,33 +609,46 @@ class Engine:
         # settle_timeout bounds the client's wait for the store whatever it does: an attempt hung on it (up to
         # the store's own timeout), or the first read of the record after a refusal (not a wait for a new owner's
         # answer in wait mode: wait_timeout bounds that). When it passes, the handler answers 503.
-        deadline = loop.time() + idem.settle_timeout
-        timer = loop.call_at(deadline, _overdue, claim, due)
+        self._settling[due] = (loop.time() + idem.settle_timeout, claim)
+        if self._settle_watch is None:
+            self._settle_watch = loop.call_later(SETTLE_CHECK, self._watch_settles)
         try:
             landed = await self.settler.complete(
                 lambda: self.store.complete(claim, stored, ttl=idem.ttl),
                 size=size, wait=idem.settle_timeout, give_up_after=idem.ttl,
             )
-            tenant, key = short_hash(claim.record.tenant), short_hash(claim.record.key)
-            if landed is not None and loop.time() >= deadline:  # (the client has had its 503, or is gone)
-                log.warning("completion %s after settle_timeout (tenant %s key %s)",
-                            "landed" if landed else "refused", tenant, key)
             if landed:
+                if due.done() and not due.cancelled():  # (set by _overdue: the client has had its 503)
+                    _said_late(claim, "landed")
                 return None
             if landed is None:
                 _overdue(claim, due)  # (unless the timer said it already)
                 raise _not_stored_yet()
             if due.done():  # the handler has answered, or is gone: nobody reads what the record says
+                if not due.cancelled():
+                    _said_late(claim, "refused")
                 raise _not_stored_yet()
-            log.warning("completion refused: the key was taken over or released (tenant %s key %s)", tenant, key)
-            return await self._record_says(claim, idem, timer)
+            log.warning("completion refused: the key was taken over or released (tenant %s key %s)",
+                        short_hash(claim.record.tenant), short_hash(claim.record.key))
+            return await self._record_says(claim, idem, due)
         finally:
-            timer.cancel()
+            self._settling.pop(due, None)
 
-    async def _record_says(self, claim: Claim, idem: IdempotencyConfig, overdue: asyncio.TimerHandle) -> web.Response:
+    def _watch_settles(self) -> None:
+        """Tell the handlers whose completion outlived settle_timeout (``_overdue``); again in SETTLE_CHECK while
+        any completion is in progress."""
+        assert self._loop is not None
+        now = self._loop.time()
+        for due, (at, claim) in list(self._settling.items()):
+            if at <= now:
+                del self._settling[due]
+                _overdue(claim, due)
+        self._settle_watch = self._loop.call_later(SETTLE_CHECK, self._watch_settles) if self._settling else None
+
+    async def _record_says(self, claim: Claim, idem: IdempotencyConfig, due: asyncio.Future[None]) -> web.Response:
         """After a refused completion: the record's answer now (replay, 422 or 409; ``wait`` mode waits for
-        an in-flight owner). Never a second forward: this request already executed once. ``overdue`` (the
-        settle_timeout timer) still runs for the first read, and is stopped once the store has answered."""
+        an in-flight owner). Never a second forward: this request already executed once. settle_timeout still
+        bounds the first read (``due`` stays watched), not what follows once the store has answered."""
         tenant, key, fp = claim.record.tenant, claim.record.key, claim.record.fingerprint
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (idem.wait_timeout if idem.in_flight == "wait" else 0.0)
@@ -640,7 +659,7 @@ class Engine:
                 except StoreUnavailable:
                     raise StoreUnavailable("The request was forwarded, but the store is unavailable.",
                                            forwarded=True) from None
-                overdue.cancel()
+                self._settling.pop(due, None)
                 now = time.time()
                 remaining = deadline - loop.time()
                 if record is None or record.expired(now):
@@ -745,6 +764,11 @@ def _overdue(claim: Claim, due: asyncio.Future[None]) -> None:
     log.error("store still unavailable after settle_timeout; answering 503 (tenant %s key %s), "
               "the completion goes on in the background", short_hash(claim.record.tenant), short_hash(claim.record.key))
     due.set_result(None)
+
+
+def _said_late(claim: Claim, verdict: str) -> None:
+    log.warning("completion %s after its client got 503 at settle_timeout (tenant %s key %s)", verdict,
+                short_hash(claim.record.tenant), short_hash(claim.record.key))
 
 
 def _not_stored_yet() -> StoreUnavailable:
