@@ -637,13 +637,18 @@ class Engine:
     def _watch_settles(self) -> None:
         """Tell the handlers whose completion outlived settle_timeout (``_overdue``); again in SETTLE_CHECK while
         any completion is in progress."""
-        assert self._loop is not None
-        now = self._loop.time()
-        for due, (at, claim) in list(self._settling.items()):
-            if at <= now:
-                del self._settling[due]
-                _overdue(claim, due)
-        self._settle_watch = self._loop.call_later(SETTLE_CHECK, self._watch_settles) if self._settling else None
+        self._settle_watch = None
+        loop = self._loop
+        assert loop is not None  # (set by _execute, before any completion)
+        try:
+            now = loop.time()
+            for due, (at, claim) in list(self._settling.items()):
+                if at <= now:
+                    del self._settling[due]
+                    _overdue(claim, due)
+        finally:  # (whatever happened, the watch goes on while any completion is in progress)
+            if self._settling:
+                self._settle_watch = loop.call_later(SETTLE_CHECK, self._watch_settles)
 
     async def _record_says(self, claim: Claim, idem: IdempotencyConfig, due: asyncio.Future[None]) -> web.Response:
         """After a refused completion: the record's answer now (replay, 422 or 409; ``wait`` mode waits for
@@ -660,6 +665,8 @@ class Engine:
                     raise StoreUnavailable("The request was forwarded, but the store is unavailable.",
                                            forwarded=True) from None
                 self._settling.pop(due, None)
+                if due.done():  # said overdue during this read: the client has its 503, nobody reads on
+                    raise _not_stored_yet()
                 now = time.time()
                 remaining = deadline - loop.time()
                 if record is None or record.expired(now):
