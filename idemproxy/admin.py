@@ -60,14 +60,25 @@ class AdminAPI:
 
     def _authorize(self, request: web.Request) -> None:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), self.token.reveal().encode()):
+        # (the header's bytes as received: undecodable ones arrive escaped, and are a wrong token, not a 500)
+        expected = self.token.reveal().encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected):
             log.warning("admin %s %s refused: bad or missing token", request.method, loggable_path(request),
                         extra={"admin_action": "refused", "remote": request.remote})
             raise Unauthorized("A valid admin bearer token is required.")
 
+    @staticmethod
+    def _address(request: web.Request) -> tuple[str, str]:
+        """The tenant and key named by the path. One holding a NUL names no record (no key or tenant id can
+        hold one) and would be refused by PostgreSQL as a value, not answered as an outage: 404 here."""
+        tenant, key = request.match_info["tenant"], request.match_info["key"]
+        if "\x00" in tenant or "\x00" in key:
+            raise RecordNotFound("No record for this tenant and key.")
+        return tenant, key
+
     async def show(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        tenant, key = request.match_info["tenant"], request.match_info["key"]
+        tenant, key = self._address(request)
         record = await self.store.get(tenant, key)
         self._log("show", tenant, key, found=record is not None)
         if record is None:
@@ -77,7 +88,7 @@ class AdminAPI:
     async def delete(self, request: web.Request) -> web.Response:
         """Release a stuck in-flight record or forget a completed one: the next request executes anew."""
         self._authorize(request)
-        tenant, key = request.match_info["tenant"], request.match_info["key"]
+        tenant, key = self._address(request)
         state = await self._state(tenant, key)
         if state is None:
             # No durable record, and none is deleted (one created since the read is not the operator's to

@@ -176,14 +176,26 @@ def cmd_keys(args: argparse.Namespace) -> int:
     admin_url = (args.admin_url or (
         f"http://{config.admin.host}:{config.admin.port}" if config else "http://127.0.0.1:9090"
     )).rstrip("/")
-    parts = urllib.parse.urlsplit(admin_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urllib.parse.urlsplit(admin_url)
+        hostname = parts.hostname
+    except ValueError:  # (a broken IPv6 host, a port that is not a number)
+        hostname = None
+    if not hostname or parts.scheme not in ("http", "https"):
         raise CLIError(f"--admin-url {admin_url[:100]!r} is not an http(s) URL; give the proxy's admin port, such "
                        "as http://127.0.0.1:9090")
     token = args.token or (config.admin.token.reveal() if config else "") or os.environ.get(
         "IDEMPROXY_ADMIN_TOKEN", ""
     )
-    tenant = hashlib.sha256(args.tenant.encode()).hexdigest() if args.credential else args.tenant
+    if not token.isascii() or not token.isprintable():
+        raise CLIError("--token (or admin.token, or $IDEMPROXY_ADMIN_TOKEN) must be printable ASCII, as the "
+                       "proxy's admin.token is sent in an HTTP header")
+    tenant = args.tenant
+    if args.credential:  # the tenant id the proxy makes of this credential (without a config: the defaults)
+        if config is not None and config.tenant.from_ == "static":
+            tenant = config.tenant.static
+        elif config is None or config.tenant.hash:
+            tenant = hashlib.sha256(args.tenant.encode("utf-8", "surrogateescape")).hexdigest()
     path = "/admin/keys/" + "/".join(urllib.parse.quote(part, safe="") for part in (tenant, args.key))
     request = urllib.request.Request(
         admin_url + path, method="GET" if args.action == "show" else "DELETE",

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, StorageFactory
 from tests.proxyproc import ProxyProcess
+from tests.rawhttp import build_request, send_raw
 from tests.upstream import RecordingUpstream
 
 TOKEN = "admin-token-123"
@@ -82,6 +83,26 @@ async def test_wrong_or_missing_token_is_401(make_proxy: ProxyFactory, admin_for
     assert (await admin.call("GET", ALICE, "k"))[0] == 200  # nothing was deleted
 
 
+async def test_a_token_of_undecodable_bytes_is_401_and_a_nul_names_no_record(
+    make_proxy: ProxyFactory, admin_for: Any
+) -> None:
+    """Bad input from the admin port's clients is their error (401, 404), never a 500 or a store outage."""
+    proxy = await make_proxy("postgres", admin={"token": TOKEN})
+    await proxy.post("/v1/charges", key="k", body=CHARGE, tenant="Bearer alice")
+    admin = await admin_for(proxy)
+    for method in (b"GET", b"DELETE"):
+        raw = await send_raw(str(admin.server.make_url("/")), build_request(
+            method, f"/admin/keys/{ALICE}/k".encode(), [(b"Authorization", b"Bearer \xff\xfe")], b""))
+        assert raw.status == 401 and json.loads(raw.body)["code"] == "unauthorized", raw
+        for tenant, key in ((f"{ALICE}%00", "k"), (ALICE, "k%00"), ("t%00x", "k")):
+            status, body = await admin.call(method.decode(), tenant, key)
+            assert status == 404 and body["code"] == "not_found", (status, body)
+    assert (await admin.call("GET", ALICE, "k"))[0] == 200  # nothing was deleted
+    errors = [line for line in proxy.proxy.metrics.render().decode().splitlines()
+              if line.startswith("idemproxy_store_errors_total{") and not line.endswith(" 0.0")]
+    assert errors == []  # (a NUL sent to PostgreSQL was counted as a store error, and answered 503)
+
+
 async def test_no_token_configured_means_no_admin_api(make_proxy: ProxyFactory, admin_for: Any) -> None:
     proxy = await make_proxy()
     admin = await admin_for(proxy)
@@ -106,17 +127,22 @@ async def test_delete_releases_a_stuck_in_flight_record(
     assert (await admin.call("DELETE", ALICE, "nope"))[0] == 404
 
 
+async def executed_as_alice(proc: ProxyProcess, key: str) -> ProxyProcess:
+    """``proc`` started, with ``key`` executed through it by the credential ``Bearer alice``."""
+    await proc.start()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(proc.url + "/v1/charges", json=CHARGE,
+                                headers={"Authorization": "Bearer alice", "Idempotency-Key": key}) as resp:
+            assert resp.status == 201
+    return proc
+
+
 async def test_cli_mirrors_the_admin_api_and_logs_are_json_without_secrets(
     upstream: RecordingUpstream, storage: StorageFactory, proxy_process: Callable[..., ProxyProcess]
 ) -> None:
     config = {"upstream": {"url": upstream.url}, "admin": {"token": TOKEN}, "storage": storage("redis"),
               "log": {"format": "json", "access": "info"}}
-    proc = proxy_process(config)
-    await proc.start()
-    async with aiohttp.ClientSession() as session:
-        async with session.post(proc.url + "/v1/charges", json=CHARGE,
-                                headers={"Authorization": "Bearer alice", "Idempotency-Key": "cli-key-7"}) as resp:
-            assert resp.status == 201
+    proc = await executed_as_alice(proxy_process(config), "cli-key-7")
 
     def keys(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "idemproxy", "keys", *args, "--config", str(proc.config_path)],
@@ -142,6 +168,22 @@ async def test_cli_mirrors_the_admin_api_and_logs_are_json_without_secrets(
     assert {"duration_ms", "upstream_ms", "route"} <= access.keys()
     actions = [line["admin_action"] for line in lines if "admin_action" in line]
     assert actions == ["show", "delete", "show"]
+
+
+@pytest.mark.parametrize("tenant", [{"hash": False}, {"from": "static", "static": "shop-1"}])
+async def test_cli_credential_names_the_tenant_as_the_proxy_does(
+    upstream: RecordingUpstream, tmp_path: Any, proxy_process: Callable[..., ProxyProcess], tenant: dict[str, Any]
+) -> None:
+    """``--credential`` makes the tenant id the proxy makes: hashed only under ``tenant.hash`` (the default),
+    the static id under ``from: static``."""
+    config = {"upstream": {"url": upstream.url}, "admin": {"token": TOKEN}, "tenant": tenant,
+              "storage": {"embedded": {"path": str(tmp_path / "t.sqlite3")}}}
+    proc = await executed_as_alice(proxy_process(config), "k-9")
+    shown = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "idemproxy", "keys", "show", "Bearer alice", "k-9", "--credential",
+                         "--config", str(proc.config_path)], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["tenant"] == ("Bearer alice" if tenant.get("hash") is False else "shop-1")
 
 
 async def test_a_release_with_no_durable_record_left_still_purges_redis(

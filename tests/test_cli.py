@@ -278,6 +278,8 @@ async def test_keys_errors_are_one_line_and_exit_non_zero(
         ((with_api.admin_url, "--token", "wrong"), "admin token refused"),
         ((with_api.admin_url, "--token", "s3cret"), "no record for this tenant and key"),
         (("notaurl", "--token", "x"), "--admin-url 'notaurl' is not an http(s) URL"),  # (was: unexpected ValueError)
+        (("http://[::1", "--token", "x"), "--admin-url 'http://[::1' is not an http(s) URL"),  # (likewise)
+        ((with_api.admin_url, "--token", "s3cr\u20acet"), "--token (or admin.token"),  # (was: UnicodeEncodeError)
         (("ftp://127.0.0.1:1", "--token", "x"), "is not an http(s) URL"),
     ]
     for args, expected in cases:
