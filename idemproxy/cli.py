@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import hashlib
 import http.client
 import json
 import logging
@@ -20,9 +19,17 @@ from email.message import Message
 from typing import Any, NoReturn
 
 from idemproxy import __version__
-from idemproxy.config import STORE_KEY_BYTES, Config, ConfigError, advisories, dump_yaml, load_config_file
+from idemproxy.config import (
+    STORE_KEY_BYTES,
+    Config,
+    ConfigError,
+    TenantConfig,
+    advisories,
+    dump_yaml,
+    load_config_file,
+)
 from idemproxy.logs import setup_logging
-from idemproxy.problems import StoreUnavailable
+from idemproxy.problems import MissingTenant, StoreUnavailable
 from idemproxy.tracing import TracingUnavailable, require
 
 log = logging.getLogger("idemproxy")
@@ -192,10 +199,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
                        "proxy's admin.token is sent in an HTTP header")
     tenant = args.tenant
     if args.credential:  # the tenant id the proxy makes of this credential (without a config: the defaults)
-        if config is not None and config.tenant.from_ == "static":
-            tenant = config.tenant.static
-        elif config is None or config.tenant.hash:
-            tenant = hashlib.sha256(args.tenant.encode("utf-8", "surrogateescape")).hexdigest()
+        from idemproxy.engine import tenant_id  # (the rule the proxy uses, loaded only here: it brings aiohttp)
+
+        try:
+            tenant = tenant_id(config.tenant if config else TenantConfig(), args.tenant)
+        except MissingTenant as exc:
+            raise CLIError(f"--credential: {exc.detail}") from exc
     path = "/admin/keys/" + "/".join(urllib.parse.quote(part, safe="") for part in (tenant, args.key))
     request = urllib.request.Request(
         admin_url + path, method="GET" if args.action == "show" else "DELETE",

@@ -31,7 +31,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from idemproxy.client import UpstreamResponse, UpstreamUnrelayable
-from idemproxy.config import TENANT_MAX_BYTES, AmbiguousPath, Config, IdempotencyConfig, lease_margin
+from idemproxy.config import (
+    TENANT_MAX_BYTES,
+    AmbiguousPath,
+    Config,
+    IdempotencyConfig,
+    TenantConfig,
+    lease_margin,
+)
 from idemproxy.fingerprint import Fingerprinter
 from idemproxy.metrics import Metrics, adder
 from idemproxy.problems import (
@@ -306,25 +313,7 @@ class Engine:
 
     def resolve_tenant_value(self, value: str | None) -> str:
         """The tenant id for a tenant header value (the same rule the admin API uses)."""
-        tenant = self.config.tenant
-        if tenant.from_ == "static":
-            return tenant.static
-        if not value:
-            if tenant.required:
-                raise MissingTenant(f"The {tenant.header} header is required to scope idempotency keys.")
-            return ANONYMOUS_TENANT
-        # Header values arrive as UTF-8 with undecodable bytes escaped: hash the bytes as received.
-        raw = value.encode("utf-8", "surrogateescape")
-        if tenant.hash:
-            return hashlib.sha256(raw).hexdigest()
-        if len(raw) > TENANT_MAX_BYTES or not _is_utf8(value):
-            raise MissingTenant(
-                f"The {tenant.header} header cannot be used as a tenant unhashed (valid UTF-8 of at most "
-                f"{TENANT_MAX_BYTES} bytes); the operator can set tenant.hash: true."
-            )
-        if value == ANONYMOUS_TENANT:  # the id of requests without a tenant: taken as one, it would read theirs
-            raise MissingTenant(f"The {tenant.header} value {ANONYMOUS_TENANT!r} names no tenant.")
-        return value
+        return tenant_id(self.config.tenant, value)
 
     async def _claim(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
         """Claim the key; in ``wait`` mode, wait (woken by the store's notifications) for the owner."""
@@ -760,6 +749,28 @@ async def _read_answer(upstream: UpstreamResponse, limit: int) -> tuple[bytes, b
             raise
         what = "a body that stalled" if isinstance(exc, TimeoutError) else "a body that broke off"
         raise UpstreamUnrelayable(upstream.status, what) from exc
+
+
+def tenant_id(tenant: TenantConfig, value: str | None) -> str:
+    """The tenant id the proxy makes of a tenant header value (``idemproxy keys --credential`` too)."""
+    if tenant.from_ == "static":
+        return tenant.static
+    if not value:
+        if tenant.required:
+            raise MissingTenant(f"The {tenant.header} header is required to scope idempotency keys.")
+        return ANONYMOUS_TENANT
+    # Header values arrive as UTF-8 with undecodable bytes escaped: hash the bytes as received.
+    raw = value.encode("utf-8", "surrogateescape")
+    if tenant.hash:
+        return hashlib.sha256(raw).hexdigest()
+    if len(raw) > TENANT_MAX_BYTES or not _is_utf8(value):
+        raise MissingTenant(
+            f"The {tenant.header} header cannot be used as a tenant unhashed (valid UTF-8 of at most "
+            f"{TENANT_MAX_BYTES} bytes); the operator can set tenant.hash: true."
+        )
+    if value == ANONYMOUS_TENANT:  # the id of requests without a tenant: taken as one, it would read theirs
+        raise MissingTenant(f"The {tenant.header} value {ANONYMOUS_TENANT!r} names no tenant.")
+    return value
 
 
 def _overdue(claim: Claim, due: asyncio.Future[None]) -> None:
