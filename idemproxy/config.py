@@ -485,6 +485,22 @@ def _token(value: Any) -> str:
     return text
 
 
+# RFC 9110 §7.6.1, plus the legacy names proxies meet in practice: dropped at every hop (idemproxy/proxy.py).
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+    "upgrade", "proxy-authenticate", "proxy-authorization",
+})
+
+
+def _forwarded_header(value: Any) -> str:
+    """A header name that reaches the upstream: what is hashed must be what is forwarded."""
+    name = _token(value)
+    if name.lower() in HOP_BY_HOP or name.lower() == "expect":
+        raise _Invalid(f"{value!r} never reaches the upstream (this hop drops it), so it cannot tell two "
+                       "requests apart")
+    return name
+
+
 def _list(item: Callable[[Any], T]) -> Callable[[Any], tuple[T, ...]]:
     def parse(value: Any) -> tuple[T, ...]:
         if not isinstance(value, list):
@@ -611,7 +627,7 @@ _IDEMPOTENCY_SPEC: _Spec = {
     "release_statuses": _list(_status),
     "on_unknown_outcome": _choice("keep_lease", "release", "store"),
     "canonical_json": _bool,
-    "fingerprint_headers": _list(_token),
+    "fingerprint_headers": _list(_forwarded_header),
     "replay_header": _token,
     "strip_replay_headers": _list(_token),
     "max_request_body": parse_size,

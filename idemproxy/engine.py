@@ -28,7 +28,7 @@ from functools import partial
 from typing import Literal, TypeVar
 
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from idemproxy.client import UpstreamResponse, UpstreamUnrelayable
 from idemproxy.config import (
@@ -39,7 +39,7 @@ from idemproxy.config import (
     TenantConfig,
     lease_margin,
 )
-from idemproxy.fingerprint import Fingerprinter
+from idemproxy.fingerprint import OFFLOAD_BYTES, Fingerprinter
 from idemproxy.metrics import Metrics, adder
 from idemproxy.problems import (
     BadRequest,
@@ -69,6 +69,7 @@ from idemproxy.proxy import (
     client_response_headers,
     continue_body,
     filter_headers,
+    hop_by_hop,
     read_at_most,
     request_target,
     stream_response,
@@ -144,6 +145,13 @@ def _unquote_sf_string(inner: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+def _fingerprint_headers(headers: CIMultiDictProxy[str], names: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+    """Each of ``names`` with its lines as received; none for one this hop drops (named in ``Connection``),
+    which the upstream never sees: the bytes hashed are the bytes forwarded."""
+    dropped = hop_by_hop(headers)
+    return [(name, [] if name.lower() in dropped else headers.getall(name, [])) for name in names]
 
 
 def short_hash(value: str) -> str:
@@ -291,11 +299,12 @@ class Engine:
             raise MissingKey(f"This route requires an {idem.header} header.")
         ex.key = key = parse_key(key_values, idem.key_max_length)
         body = await read_body(request, idem.max_request_body)
-        fp = self.fingerprint(
-            request.method, request_target(request),
-            ((name, ",".join(request.headers.getall(name, []))) for name in idem.fingerprint_headers),
-            body, canonical=idem.canonical_json,
-        )
+        headers = _fingerprint_headers(request.headers, idem.fingerprint_headers) if idem.fingerprint_headers else ()
+        if len(body) < OFFLOAD_BYTES:
+            fp = self.fingerprint(request.method, request_target(request), headers, body, canonical=idem.canonical_json)
+        else:  # a large body's canonical form off the loop, so it holds up no other client
+            fp = await self.fingerprint.large(
+                request.method, request_target(request), headers, body, canonical=idem.canonical_json)
         try:
             with self.tracer.span("idemproxy.claim") as span:
                 claim = await self._claim(tenant, key, fp, idem)

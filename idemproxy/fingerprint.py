@@ -2,20 +2,24 @@
 
 Two requests share a fingerprint only when an upstream cannot tell their payloads apart. The canonical
 JSON form therefore forgets exactly what JSON says carries no meaning (member order, whitespace between
-tokens, how a string is escaped) and nothing else: numbers keep their exact digits, and a body that is not
-plain UTF-8 JSON, repeats a member name, nests deeper than ``MAX_DEPTH`` or holds a string no UTF-8 can
-carry (a lone surrogate escape such as ``"\\ud800"``) is hashed byte for byte. docs/fingerprint.md has the
-rules with examples.
+tokens, how a string is escaped, how an exponent is spelled) and nothing else: numbers keep their digits as
+written, and a body that is not plain UTF-8 JSON, repeats a member name, nests deeper than ``MAX_DEPTH`` or
+holds a string no UTF-8 can carry (a lone surrogate escape such as ``"\\ud800"``) is hashed byte for byte.
+docs/fingerprint.md has the rules with examples.
+
+Large bodies (``OFFLOAD_BYTES`` and more) are fingerprinted on a thread of their own
+(:meth:`Fingerprinter.large`): decoding and re-encoding a hostile megabyte of JSON costs about a second of CPU,
+which the event loop must not spend while every other client waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import codecs
-import decimal
 import hashlib
 import json
-from collections.abc import Callable, Iterable
-from decimal import Decimal
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +42,30 @@ class _Refused(ValueError):
     """JSON that is hashed raw instead: a repeated member name, too deep, or NaN/Infinity."""
 
 
-# The decoder hands every number over as a Decimal made from its source text: exact, so no two numbers merge
-# unless they spell one decimal with the same digits (1e2, 1E2 and 1e+2 do; 1, 1.0 and 1.00 do not). An
-# object or array becomes a tuple (canonical text, nesting depth), innermost first.
+# The decoder hands every number, object and array over as a tuple (canonical text, nesting depth), innermost
+# first. A number's canonical text is its source text with only the exponent's spelling normalised: no two
+# numbers merge unless they are written with the same digits (1e2, 1E2 and 1e+2 do; 1, 1.0, 1e0 and 1.00 do
+# not, nor do 1000 and 1.000e3, which a parser reads as an integer and a float).
 _Node = tuple[str, int]
+
+
+def _integer(text: str) -> _Node:
+    return text, 0
+
+
+def _fraction(text: str) -> _Node:
+    """A number with a fraction or an exponent: the exponent written ``E``, its sign always, no leading zeros
+    (``1e2``, ``1E02`` and ``1e+2`` are ``1E+2``; ``1e-0`` is ``1E+0``), as Decimal wrote it before."""
+    cut = text.find("e")
+    if cut < 0:
+        cut = text.find("E")
+        if cut < 0:
+            return text, 0
+    exponent = text[cut + 1:]
+    digits = exponent.lstrip("+-").lstrip("0")
+    if not digits:
+        return text[:cut] + "E+0", 0
+    return text[:cut] + ("E-" if exponent[0] == "-" else "E+") + digits, 0
 
 
 def _canonical(value: Any, level: int) -> _Node:
@@ -52,8 +76,6 @@ def _canonical(value: Any, level: int) -> _Node:
     kind = type(value)
     if kind is str:
         return _quote(value), 0
-    if kind is Decimal:
-        return str(value), 0
     if kind is tuple:
         return value  # type: ignore[no-any-return]
     if kind is list:
@@ -72,15 +94,16 @@ def _array(items: list[Any], level: int) -> _Node:
     append = parts.append
     for item in items:
         kind = type(item)
-        if kind is Decimal:
-            append(str(item))
+        if kind is tuple:
+            text, inner = item
         elif kind is str:
             append(_quote(item))
+            continue
         else:
             text, inner = _canonical(item, level)
-            append(text)
-            if inner > depth:
-                depth = inner
+        append(text)
+        if inner > depth:
+            depth = inner
     if depth >= MAX_DEPTH:
         raise _Refused("nested too deep")
     return "[" + ",".join(parts) + "]", depth + 1
@@ -100,13 +123,14 @@ def _object(pairs: list[tuple[str, Any]]) -> _Node:
         kind = type(value)
         if kind is str:
             append(_quote(name) + ":" + _quote(value))
-        elif kind is Decimal:
-            append(_quote(name) + ":" + str(value))
+            continue
+        if kind is tuple:
+            text, inner = value
         else:
             text, inner = _canonical(value, 0)
-            append(_quote(name) + ":" + text)
-            if inner > depth:
-                depth = inner
+        append(_quote(name) + ":" + text)
+        if inner > depth:
+            depth = inner
     if depth >= MAX_DEPTH:
         raise _Refused("nested too deep")
     return "{" + ",".join(parts) + "}", depth + 1
@@ -117,35 +141,24 @@ def _no_constants(name: str) -> Any:
 
 
 _decoder = json.JSONDecoder(
-    object_pairs_hook=_object, parse_float=Decimal, parse_int=Decimal, parse_constant=_no_constants
+    object_pairs_hook=_object, parse_float=_fraction, parse_int=_integer, parse_constant=_no_constants
 )
-# A number Decimal cannot hold (an exponent past about 10**18) must raise rather than become NaN, whatever
-# the thread's decimal context says.
-_STRICT = decimal.Context(traps=[decimal.InvalidOperation])
 
 
 def canonical_json(body: bytes) -> bytes | None:
     """``body`` in canonical JSON form, or None when it is to be hashed byte for byte.
 
     Canonical: members sorted by their decoded names, no whitespace, strings re-escaped as
-    ``json.dumps(ensure_ascii=False)`` does, numbers exact (as Decimal writes them: 1e2 is 1E+2). None for
-    anything but UTF-8 JSON without a BOM, and for JSON with a repeated member name, nesting deeper than
-    MAX_DEPTH, a lone surrogate, NaN/Infinity or an exponent no Decimal holds.
+    ``json.dumps(ensure_ascii=False)`` does, numbers as written but for the exponent's spelling (1e2 is 1E+2).
+    None for anything but UTF-8 JSON without a BOM, and for JSON with a repeated member name, nesting deeper
+    than MAX_DEPTH, a lone surrogate or NaN/Infinity.
     """
     if body.startswith(codecs.BOM_UTF8):
         return None
     try:
-        context = decimal.getcontext()
-        # Decimal(text) heeds only the context's InvalidOperation trap and str(Decimal) only its capitals: a
-        # context that agrees with _STRICT on both (the default one does) gives the same result, and entering
-        # _STRICT costs a quarter of a small body's canonical form.
-        if context.traps[decimal.InvalidOperation] and context.capitals == _STRICT.capitals:
-            text, _ = _canonical(_decoder.decode(body.decode("utf-8")), 0)
-        else:
-            with decimal.localcontext(_STRICT):
-                text, _ = _canonical(_decoder.decode(body.decode("utf-8")), 0)
+        text, _ = _canonical(_decoder.decode(body.decode("utf-8")), 0)
         return text.encode("utf-8")  # a lone surrogate escape fails here: UnicodeEncodeError
-    except (ValueError, ArithmeticError, RecursionError):
+    except (ValueError, RecursionError):
         # RecursionError: nesting far past MAX_DEPTH reaches the interpreter's limit inside the decoder.
         return None
 
@@ -162,12 +175,28 @@ def _framed(data: bytes) -> bytes:
     return len(data).to_bytes(8, "big") + data
 
 
-def _head(method: str, path_qs: str, headers: Iterable[tuple[str, str]]) -> list[bytes]:
-    """The framed small parts: method, raw path+query, then each chosen header's name and value."""
+# A header's value slot when it is absent, and before the lines of a header sent more than once: lengths no
+# framed value can have (2**64 - 1, 2**64 - 2), so neither can equal a value sent once, empty or not. A header
+# sent once is framed as it always was, so those fingerprints did not change when absence started to count.
+_ABSENT = b"\xff" * 8
+_LINES = b"\xff" * 7 + b"\xfe"
+
+Headers = Iterable[tuple[str, Sequence[str]]]
+"""Each chosen header's name and the values of its lines as received (none when it is absent)."""
+
+
+def _head(method: str, path_qs: str, headers: Headers) -> list[bytes]:
+    """The framed small parts: method, raw path+query, then each chosen header's name and lines."""
     head = [_framed(_wire_bytes(method.upper())), _framed(_wire_bytes(path_qs))]
-    for name, value in headers:
+    for name, values in headers:
         head.append(_framed(_wire_bytes(name.lower())))
-        head.append(_framed(_wire_bytes(value)))
+        if len(values) == 1:
+            head.append(_framed(_wire_bytes(values[0])))
+        elif not values:
+            head.append(_ABSENT)
+        else:  # each line as it came: two lines `a` and `b` are not the one line `a,b`
+            head.append(_LINES + len(values).to_bytes(8, "big"))
+            head.extend(_framed(_wire_bytes(value)) for value in values)
     return head
 
 
@@ -178,19 +207,13 @@ def _digest(head: list[bytes], form: bytes, body: bytes) -> _Hash:
     return digest
 
 
-def fingerprint(
-    method: str,
-    path_qs: str,
-    headers: Iterable[tuple[str, str]],
-    body: bytes,
-    *,
-    canonical: bool,
-) -> str:
+def fingerprint(method: str, path_qs: str, headers: Headers, body: bytes, *, canonical: bool) -> str:
     """SHA-256 (hex) over method, raw path+query, the chosen headers and the body.
 
     Each part is length-prefixed so that no two different requests can share one byte stream. Text parts
-    are hashed as the bytes that came over the wire. With ``canonical``, a JSON body is hashed in canonical
-    form (see :func:`canonical_json`); any other body is hashed byte for byte.
+    are hashed as the bytes that came over the wire; a header absent, sent empty, or sent as several lines
+    are three different things. With ``canonical``, a JSON body is hashed in canonical form (see
+    :func:`canonical_json`); any other body is hashed byte for byte.
     """
     head = _head(method, path_qs, headers)
     normal = canonical_json(body) if canonical else None
@@ -200,6 +223,19 @@ def fingerprint(
 
 
 MEMO_ENTRIES = 4096  # canonical fingerprints remembered per process (about 1 MiB)
+OFFLOAD_BYTES = 16 * 1024  # bodies this large and larger are fingerprinted on the canonical-form thread
+
+# One thread for every large body of the process: a second hostile body waits for the first rather than take
+# the interpreter from the event loop as well (a thread runs Python only while it holds the GIL; with one
+# thread beside the loop, the loop gets it back at least every switch interval, 5 ms).
+_thread: ThreadPoolExecutor | None = None
+
+
+def _canonical_thread() -> ThreadPoolExecutor:
+    global _thread
+    if _thread is None:
+        _thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idemproxy-canonical")
+    return _thread
 
 
 class Fingerprinter:
@@ -218,21 +254,41 @@ class Fingerprinter:
         self._memo: dict[bytes, str] = {}
         self.hits = 0
 
-    def __call__(
-        self, method: str, path_qs: str, headers: Iterable[tuple[str, str]], body: bytes, *, canonical: bool,
-    ) -> str:
+    def __call__(self, method: str, path_qs: str, headers: Headers, body: bytes, *, canonical: bool) -> str:
+        return self._keep(*self._work(method, path_qs, headers, body, canonical))
+
+    async def large(self, method: str, path_qs: str, headers: Headers, body: bytes, *, canonical: bool) -> str:
+        """The same as calling it, with the hashing and the canonical form done on the canonical-form thread.
+
+        For bodies of ``OFFLOAD_BYTES`` and more: the loop goes on serving while the thread works. The thread
+        only reads the memo (one dict lookup, atomic); the loop alone writes it.
+        """
+        return self._keep(*await asyncio.get_running_loop().run_in_executor(
+            _canonical_thread(), self._work, method, path_qs, list(headers), body, canonical))
+
+    def _work(
+        self, method: str, path_qs: str, headers: Headers, body: bytes, canonical: bool
+    ) -> tuple[bytes | None, str]:
+        """The fingerprint, and the raw digest to remember it under: None when the memo had it, empty in raw
+        mode (nothing to remember)."""
         head = _head(method, path_qs, headers)
         raw = _digest(head, b"raw", body)
         if not canonical:
-            return raw.hexdigest()
+            return b"", raw.hexdigest()
         seen = raw.digest()
         known = self._memo.get(seen)
         if known is not None:
-            self.hits += 1
-            return known
+            return None, known
         normal = canonical_json(body)
-        result: str = raw.hexdigest() if normal is None else _digest(head, b"json", normal).hexdigest()
-        if len(self._memo) >= self.entries:
-            del self._memo[next(iter(self._memo))]
-        self._memo[seen] = result
+        return seen, raw.hexdigest() if normal is None else _digest(head, b"json", normal).hexdigest()
+
+    def _keep(self, seen: bytes | None, result: str) -> str:
+        """On the loop: count a memo hit, or remember a new canonical result; ``result`` either way."""
+        if seen is None:
+            self.hits += 1
+        elif seen and seen not in self._memo:  # in the memo already: two large bodies alike on the thread
+            memo = self._memo
+            if len(memo) >= self.entries:
+                del memo[next(iter(memo))]
+            memo[seen] = result
         return result

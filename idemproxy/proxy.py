@@ -26,7 +26,7 @@ from idemproxy.client import (
     UpstreamResponse,
     UpstreamUnrelayable,
 )
-from idemproxy.config import Config, IPNetwork, RouteConfig, UpstreamConfig
+from idemproxy.config import HOP_BY_HOP, Config, IPNetwork, RouteConfig, UpstreamConfig
 from idemproxy.problems import (
     BadRequest,
     ClientGone,
@@ -42,11 +42,6 @@ log = logging.getLogger("idemproxy.proxy")
 CHUNK = 64 * 1024
 SMALL_BODY = 64 * 1024  # plain proxying reads bodies up to this size whole instead of streaming them
 
-# RFC 9110 §7.6.1, plus the legacy names proxies meet in practice.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-    "upgrade", "proxy-authenticate", "proxy-authorization",
-})
 
 
 REQUEST_ID = web.RequestKey("request_id", str)

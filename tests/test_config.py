@@ -635,3 +635,14 @@ def test_every_bad_item_of_a_list_is_named() -> None:
         "forwarded.trusted_proxies[1]: 'nope' is not an IP address or CIDR network",
         "forwarded.trusted_proxies[2]: '300.1.1.1' is not an IP address or CIDR network",
     ], errors
+
+
+@pytest.mark.parametrize("name", ["Connection", "te", "Transfer-Encoding", "Expect", "Proxy-Authorization"])
+def test_a_fingerprint_header_that_never_reaches_the_upstream_is_refused(name: str) -> None:
+    """What is hashed is what is forwarded: a header this hop drops cannot tell two requests apart upstream."""
+    with pytest.raises(ConfigError) as info:
+        from_yaml(f"routes: [{{prefix: /v1, fingerprint_headers: [X-Account, {name}]}}]")
+    assert any(error.startswith("routes[0].fingerprint_headers[1]: ") and "never reaches the upstream" in error
+               for error in info.value.errors), info.value.errors
+    assert from_yaml("idempotency: {fingerprint_headers: [X-Account, Host]}").idempotency.fingerprint_headers == (
+        "X-Account", "Host")
