@@ -117,7 +117,7 @@ def parse_key(values: list[str], max_length: int) -> str:
     """Validate the Idempotency-Key header; a quoted sf-string means the same key unquoted."""
     if len(values) != 1:
         raise InvalidKey("The idempotency key header must be sent exactly once.")
-    key = values[0].strip()
+    key = values[0].strip(" \t")  # HTTP's whitespace only: a no-break space (U+00A0) is no part of HTTP
     if key.startswith('"'):  # an RFC 9651 sf-string: must be closed, and means the key it quotes
         if len(key) < 2 or not key.endswith('"'):
             raise InvalidKey("The quoted idempotency key has no closing quote.")
@@ -145,6 +145,15 @@ def _unquote_sf_string(inner: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+def forwarded_key(key: str) -> str:
+    """``key`` as a header value the upstream reads back as ``key``: bare, or as an sf-string when it starts
+    with a quote or starts or ends with a space (which a bare value would lose: ``"k "`` would reach the
+    upstream as ``k``, another key)."""
+    if key[0] not in ' "' and key[-1] != " ":
+        return key
+    return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _fingerprint_headers(headers: CIMultiDictProxy[str], names: tuple[str, ...]) -> list[tuple[str, list[str]]]:
@@ -498,7 +507,7 @@ class Engine:
             headers = ex.upstream.request_headers(request, drop=(idem.header,))
             if ex.upstream.config.forward_key:
                 # The key as the proxy understood it, so the upstream can dedupe a takeover ('"k"' is 'k').
-                headers[idem.header] = claim.record.key
+                headers[idem.header] = forwarded_key(claim.record.key)
             timeout = ex.upstream.config.timeout
             budget = min(timeout, claim.lease_left() - lease_margin(idem.lease, timeout))
             if budget <= 0:  # the claim itself took most of the lease: never forward into a takeover

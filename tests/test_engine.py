@@ -215,6 +215,21 @@ async def test_invalid_keys_are_400(make_proxy: ProxyFactory, upstream: Recordin
     assert upstream.executed == []
 
 
+@pytest.mark.parametrize("key", [b"k-nbsp\xc2\xa0", b"\xe3\x80\x80k", b'"k"\xc2\xa0', b"k\xc2\x85"],
+                         ids=["trailing-no-break-space", "leading-ideographic-space", "after-the-quotes", "next-line"])
+async def test_a_key_ending_in_unicode_whitespace_is_invalid_not_the_key_without_it(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, key: bytes
+) -> None:
+    """HTTP strips only spaces and tabs around a value: U+00A0 or U+3000 is part of the key, which is then not
+    printable ASCII; stripped, it would be replayed the answer of another key."""
+    proxy = await make_proxy()
+    await proxy.post("/v1/charges", key="k", body=CHARGE)
+    resp = await send_raw(proxy.url, build_request(
+        b"POST", b"/v1/charges", [(b"Idempotency-Key", key), (b"Authorization", b"Bearer t1")], b"{}"))
+    assert resp.status == 400 and json.loads(resp.body)["code"] == "invalid_key"
+    assert upstream.count() == 1
+
+
 @pytest.mark.parametrize(
     ("raw", "code"),
     [
@@ -284,6 +299,11 @@ async def test_key_is_forwarded_upstream_unless_disabled(
     proxy = await make_proxy()
     await proxy.post("/v1/charges", key="fwd", body=CHARGE)
     assert upstream.executed[-1].headers["Idempotency-Key"] == "fwd"
+    # A key a bare header value cannot carry goes as the sf-string it came as: '"k "' is not 'k'.
+    await proxy.post("/v1/charges", key='" edge "', body=CHARGE)
+    assert upstream.executed[-1].headers["Idempotency-Key"] == '" edge "'
+    await proxy.post("/v1/charges", key='"\\"q\\\\"', body=CHARGE)  # the key "q\ (a quote first)
+    assert upstream.executed[-1].headers["Idempotency-Key"] == '"\\"q\\\\"'
     quiet = await make_proxy(upstream={"forward_key": False})
     await quiet.post("/v1/other", key="nofwd", body=CHARGE)
     assert "Idempotency-Key" not in upstream.executed[-1].headers
