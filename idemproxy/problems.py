@@ -179,8 +179,12 @@ class RecordUnreadable(StoreUnavailable):
     """The store answered, but the stored response does not open (unknown key id, tampered or moved bytes).
 
     Unlike other store failures it is never a reason to forward unguarded (``on_store_error: fail_open``):
-    the request was executed once already, and its record stands.
+    the request was executed once already, and its record stands. Nor did a claim that read it take the key:
+    nothing to release (``maybe_applied`` False).
     """
+
+    def __init__(self, detail: str, **extensions: Any) -> None:
+        super().__init__(detail, maybe_applied=False, **extensions)
 
 
 _R = TypeVar("_R", bound=web.BaseRequest)

@@ -79,7 +79,7 @@ def unreadable_count(metrics: Metrics, backend: str) -> float:
     return value
 
 
-@pytest.mark.parametrize("damage", ["tamper", "other_key", "other_tenant", "unknown_key", "flags"])
+@pytest.mark.parametrize("damage", ["tamper", "other_key", "other_tenant", "unknown_key", "flags", "unknown_flags"])
 def test_a_sealed_value_that_does_not_open_is_refused_logged_and_counted(
     damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -95,6 +95,8 @@ def test_a_sealed_value_that_does_not_open_is_refused_logged_and_counted(
         tenant = "t2"
     elif damage == "unknown_key":
         reader = codec(KEY_B, metrics=metrics)
+    elif damage == "unknown_flags":  # refused before it is opened, and the log still names the key it names
+        frame = frame[:len(MAGIC)] + bytes([frame[len(MAGIC)] | 0x04]) + frame[len(MAGIC) + 1:]
     else:
         frame = frame[:len(MAGIC)] + bytes([SEALED | COMPRESSED]) + frame[len(MAGIC) + 1:]
     with caplog.at_level(logging.ERROR, "idemproxy.store.codec"), pytest.raises(RecordUnreadable) as refused:
@@ -268,6 +270,53 @@ async def copy_stored_value(backend: str, section: dict[str, Any], store: Store,
         await conn.close()
 
 
+async def relabel_as_clear(backend: str, section: dict[str, Any], store: Store, key: str) -> None:
+    """What someone with write access to the store could do: mark a sealed record as one written in clear, so
+    that its sealed bytes would be read as the body (and replayed, unopened)."""
+    if isinstance(store, RedisFrontedStore):
+        client = sync_redis.Redis.from_url(section["redis"]["url"])
+        try:
+            name = store._keys("t", key)[1]
+            value = client.get(name)
+            assert isinstance(value, bytes)
+            head, _, frame = value.partition(b"\n")
+            client.set(name, head[:-1] + b',"h":[]}\n' + frame, px=600_000)
+        finally:
+            client.close()
+        return
+    if backend == "embedded":
+        db = sqlite3.connect(section["embedded"]["path"])
+        try:
+            assert db.execute("UPDATE records SET headers = '[]' WHERE key = ?", (key,)).rowcount == 1
+            db.commit()
+        finally:
+            db.close()
+        return
+    conn = await asyncpg.connect(section["postgres"]["dsn"])
+    try:
+        assert await conn.execute("UPDATE idemproxy_records SET headers = '[]' WHERE key = $1", key) == "UPDATE 1"
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_sealed_value_relabelled_as_clear_is_refused_not_replayed(
+    backend: str, storage: StorageFactory
+) -> None:
+    section = with_codec(storage(backend), KEY_A)
+    metrics = Metrics()
+    async with opened(section, metrics) as store:
+        await completed(store, "relabelled")
+        await relabel_as_clear(backend, section, store, "relabelled")
+        with pytest.raises(RecordUnreadable):
+            await store.claim("t", "relabelled", FP, lease=30, ttl=600)
+    assert unreadable_count(metrics, backend) == 1
+    async with opened(storage(backend)) as store:  # with encryption off, a body in clear is what it says
+        looks_sealed = StoredResponse(status=200, headers=(), body=MAGIC + b"\x02not a frame of ours")
+        await completed(store, "clear", looks_sealed)
+        assert await replayed(store, "clear") == looks_sealed
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_a_sealed_value_copied_onto_another_record_is_refused(backend: str, storage: StorageFactory) -> None:
     section = with_codec(storage(backend), KEY_A)
@@ -327,6 +376,11 @@ async def test_a_record_whose_key_was_removed_is_503_and_never_executed_again(
     assert key_id(base64.b64decode(KEY_A)).hex() in caplog.text
     metrics = second.proxy.metrics.render().decode()
     assert f'idemproxy_records_unreadable_total{{backend="{backend}"}} 1.0' in metrics
+    # The claim that read it took nothing: no release to retry in the background (it counted one, and
+    # filled the pending-settle bound and its alerts, for every request that met such a record).
+    await second.proxy.engine.settler.flush(5)
+    registry = second.proxy.metrics.registry
+    assert not registry.get_sample_value("idemproxy_settle_retries_total", {"operation": "release"})
     assert (await post_charge(second, "pay-2"))[0] == 201  # other keys are served as usual
 
 

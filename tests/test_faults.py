@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -22,6 +23,7 @@ from aiohttp.test_utils import TestServer
 
 from idemproxy.config import PostgresConfig, SecretURL
 from idemproxy.problems import StoreUnavailable
+from idemproxy.store.embedded import EmbeddedStore
 from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, _admin_sql
@@ -91,6 +93,44 @@ async def test_ready_requires_store_takes_the_replica_out_while_postgres_is_down
     await asyncio.to_thread(own_pg.start)
     await wait_store_ok(proxy, "postgres")
     assert (await readyz(proxy))[0] == 200
+
+
+async def test_ready_requires_store_takes_the_replica_out_while_another_process_locks_the_embedded_file(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Every claim fails after its busy wait while another process holds the file's write lock; the health
+    check said "ok" all along (its ``SELECT 1`` never touched the file)."""
+    proxy = await make_proxy("embedded", admin={"ready_requires_store": True})
+    assert (await readyz(proxy))[0] == 200
+    assert isinstance(proxy.proxy.store, EmbeddedStore)
+    intruder = sqlite3.connect(proxy.proxy.store.path, isolation_level=None, check_same_thread=False)
+    try:
+        intruder.execute("BEGIN EXCLUSIVE")
+        status, ready = await readyz(proxy)
+        assert (status, ready["stores"]) == (503, {"embedded": "unavailable"})
+        await proxy.proxy.check_stores()
+        assert 'idemproxy_store_up{backend="embedded"} 0.0' in proxy.proxy.metrics.render().decode()
+        intruder.execute("ROLLBACK")
+    finally:
+        intruder.close()
+    status, ready = await readyz(proxy)
+    assert (status, ready["stores"]) == (200, {"embedded": "ok"})
+    assert (await proxy.post("/v1/charges", key="after-lock", body=CHARGE))[0].status == 201
+
+
+async def test_a_hung_postgres_leaves_redis_named_in_readyz(
+    make_proxy: ProxyFactory, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    """Asked one after the other under one bound, a PostgreSQL that does not answer hid the Redis that does."""
+    parts = urlsplit(clean_pg)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        proxy = await make_proxy(storage_section=pg_section(
+            via(relay, clean_pg), redis={"url": redis_url, "key_prefix": redis_prefix}))
+        assert (await readyz(proxy))[1]["stores"] == {"postgres": "ok", "redis": "ok"}
+        relay.stall()
+        status, ready = await readyz(proxy)
+        assert (status, ready["stores"]) == (200, {"postgres": "unavailable (no answer)", "redis": "ok"})
+        relay.restore()
 
 
 async def test_redis_down_mid_run_costs_latency_never_correctness(

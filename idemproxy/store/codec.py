@@ -114,6 +114,14 @@ def record_hash(tenant: str, key: str) -> str:
     return hashlib.sha256(f"{tenant}\x1f{key}".encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
+
+def _named_key(frame: bytes) -> bytes | None:
+    """The key id a frame names, when its flags say it is sealed (whatever else they say)."""
+    split = len(MAGIC) + 1 + KEY_ID_BYTES
+    if len(frame) >= split and frame[len(MAGIC)] & SEALED:
+        return frame[len(MAGIC) + 1:split]
+    return None
+
 class Codec:
     """Packs stored responses per the storage config and reads back every format ever written."""
 
@@ -195,7 +203,7 @@ class Codec:
             raise Unreadable("not a frame")
         flags = frame[len(MAGIC)]
         if flags & ~(COMPRESSED | SEALED):
-            raise Unreadable(f"unknown flags {flags:#x}")
+            raise Unreadable(f"unknown flags {flags:#x}", _named_key(frame))
         payload = frame[len(MAGIC) + 1:]
         if flags & SEALED:
             payload = self._open(tenant, key, frame)
@@ -259,7 +267,17 @@ class Codec:
         """Read back what :meth:`to_columns` wrote, in any format ever written (old rows hold JSON text)."""
         if headers == FRAMED:
             return self.unpack(tenant, key, bytes(body or b""), backend=backend)
-        return parse_headers(headers), bytes(body or b"")
+        return parse_headers(headers), self.plain_body(tenant, key, bytes(body or b""), backend=backend)
+
+    def plain_body(self, tenant: str, key: str, body: bytes, *, backend: str) -> bytes:
+        """``body`` of a record marked as written in clear, unless it is one of our sealed frames: then the
+        record's format marker was changed (tampering), and the sealed bytes would be replayed as its body."""
+        if self._keys and body.startswith(MAGIC):
+            kid = _named_key(body)
+            if kid is not None and kid in self._keys:
+                raise self._unreadable(tenant, key, backend, Unreadable(
+                    "a sealed value under the marker of a value in clear (tampered)", kid))
+        return body
 
 
 PLAIN = Codec()  # compression and encryption off: values as written before either existed

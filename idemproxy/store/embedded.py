@@ -28,6 +28,8 @@ from idemproxy.store.codec import Codec
 log = logging.getLogger("idemproxy.store.embedded")
 T = TypeVar("T")
 
+PROBE_BUSY_MS = 1000  # how long a health check waits for the write lock (a claim waits 5 s, sqlite3's default)
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
     tenant TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, state TEXT NOT NULL,
@@ -170,6 +172,20 @@ class EmbeddedStore(Store):
             except (sqlite3.Error, OSError) as exc:  # the transaction rolled back: nothing was applied
                 raise StoreUnavailable("The idempotency store (embedded) is unavailable.",
                                        maybe_applied=False) from exc
+
+    def _probe(self) -> None:
+        """On the SQLite thread: take the write lock and give it back (no fsync: nothing was written), waiting
+        for it at most PROBE_BUSY_MS, inside the app's bound for a health check."""
+        db = self._db
+        if db is None:
+            return
+        (busy,) = db.execute("PRAGMA busy_timeout").fetchone()
+        db.execute(f"PRAGMA busy_timeout = {PROBE_BUSY_MS}")
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("ROLLBACK")
+        finally:
+            db.execute(f"PRAGMA busy_timeout = {int(busy)}")
 
     async def _write(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` in a write transaction, shared with every write queued meanwhile (group commit).
@@ -327,8 +343,10 @@ class EmbeddedStore(Store):
         return await self._write("sweep", sweep)
 
     async def health(self) -> Health:
+        """Whether a claim could write now: ``SELECT 1`` never touched the file, and answered "ok" while another
+        process held the database locked and every claim failed after its 5 s busy wait."""
         try:
-            await self._run("ping", lambda: self._db.execute("SELECT 1") if self._db else None)
+            await self._run("ping", self._probe)
         except StoreUnavailable:
             return Health(ready=False, details={"embedded": "unavailable"})
         return Health(ready=self._db is not None, details={"embedded": "ok"})

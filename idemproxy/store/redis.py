@@ -55,6 +55,7 @@ from idemproxy.store.resp import RespClient, supports
 log = logging.getLogger("idemproxy.store.redis")
 
 SOCKET_TIMEOUT = 0.5  # seconds: Redis is the fast path; slower than this, PostgreSQL answers instead
+DURABLE_PROBE_TIMEOUT = 1.5  # a health check's wait for PostgreSQL: inside the app's bound for the whole check
 POOL_SIZE = 256  # connections to Redis; past it a request waits up to SOCKET_TIMEOUT for one
 # The Redis lock only keeps duplicates away from PostgreSQL; it lives at most this long, so a lock whose removal
 # failed (Redis errored at that moment) answers 409 for seconds, not for a whole lease. Past it, duplicates of a
@@ -208,6 +209,7 @@ def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Reco
     head = json.loads(raw_head)
     if "h" in head:  # written in clear (by this version with both off, or before them)
         headers = tuple((str(k), str(v)) for k, v in head["h"])
+        body = codec.plain_body(tenant, key, body, backend=RedisFrontedStore.backend)
     else:
         headers, body = codec.unpack(tenant, key, body, backend=RedisFrontedStore.backend)
     response = StoredResponse(status=head["s"], headers=headers, body=body if head["b"] else None)
@@ -621,13 +623,24 @@ class RedisFrontedStore(Store):
         return await self.durable.maintain()
 
     async def health(self) -> Health:
-        health = await self.durable.health()
+        """Both stores asked at once, each bounded on its own: a PostgreSQL that hangs must not hide that Redis
+        answers (the app's own bound, 2 s, would otherwise drop both from ``/readyz``)."""
+        health, redis = await asyncio.gather(self._durable_health(), self._redis_health())
+        health.details["redis"] = redis
+        return health
+
+    async def _durable_health(self) -> Health:
+        try:
+            return await asyncio.wait_for(self.durable.health(), DURABLE_PROBE_TIMEOUT)
+        except TimeoutError:
+            return Health(ready=False, details={self.durable.backend: "unavailable (no answer)"})
+
+    async def _redis_health(self) -> str:
         try:
             if self._lean is None:
                 await asyncio.wait_for(self.redis.ping(), SOCKET_TIMEOUT * 2)
             else:
                 _only(await asyncio.wait_for(self._lean.execute([(b"PING",)]), SOCKET_TIMEOUT * 2))
-            health.details["redis"] = "ok"
         except self._errors:
-            health.details["redis"] = "unavailable (degraded: served from PostgreSQL alone, slower)"
-        return health
+            return "unavailable (degraded: served from PostgreSQL alone, slower)"
+        return "ok"
