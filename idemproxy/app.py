@@ -30,6 +30,7 @@ from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upst
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
 from idemproxy.tracing import build_tracer
+from idemproxy.workers import ABORT, DRAIN
 
 log = logging.getLogger("idemproxy")
 
@@ -349,14 +350,20 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
+    signalled: list[signal.Signals] = []  # the operator's SIGTERM/SIGINT, not --workers' own DRAIN
+
     def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
-            log.warning("%s again: exiting at once, without draining", sig.name)
+        if sig is ABORT or (sig is not DRAIN and signalled):
+            again = sig if sig is not ABORT else (signalled or [signal.SIGTERM])[0]
+            log.warning("%s again%s: exiting at once, without draining", again.name,
+                        " (to the workers' parent)" if sig is ABORT else "")
             logging.shutdown()
-            os._exit(128 + sig.value)
+            os._exit(128 + again.value)
+        if sig is not DRAIN:
+            signalled.append(sig)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, DRAIN, ABORT):
         loop.add_signal_handler(sig, on_signal, sig)
     # Admin first: /healthz answers and /readyz says "starting" while the stores open (bounded retries).
     await admin_runner.setup()

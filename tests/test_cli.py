@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -233,6 +235,58 @@ async def test_workers_share_the_port_and_metrics_add_up(
         output = proc.communicate(timeout=30)[0].decode()
     assert proc.returncode == 0, output
     assert len(set(re.findall(r"started 2 workers: \[(\d+), (\d+)\]", output)[0])) == 2
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+async def test_workers_signalled_as_a_process_group_drain_once_and_exit_at_once_on_a_second(
+    upstream: RecordingUpstream, clean_pg: str, tmp_path: Path, signals: int
+) -> None:
+    """Ctrl-C, `kill -- -PGID` and systemd's default reach every worker directly as well as the parent, which
+    passed the signal on: each worker saw two SIGTERMs and exited at once, cutting its requests in flight."""
+    port, admin = free_port(), free_port()
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port}, "admin": {"host": "127.0.0.1", "port": admin},
+        "upstream": {"url": upstream.url}, "storage": {"postgres": {"dsn": clean_pg, "pool_min": 1}},
+        "workers": 2, "drain_delay": "0.5s", "shutdown_timeout": "20s",
+    }))
+    proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    loop = asyncio.get_running_loop()
+    try:
+        await wait_ready(f"http://127.0.0.1:{admin}", proc)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+
+            async def pay(i: int) -> int | str:
+                headers = {"Authorization": "t", "Idempotency-Key": f"g{i}", "X-Test-Delay": "3"}
+                try:
+                    async with session.post(f"http://127.0.0.1:{port}/v1/c", json={"i": i}, headers=headers) as resp:
+                        return resp.status
+                except aiohttp.ClientError as exc:
+                    return type(exc).__name__
+
+            # New connections, spread by the kernel over both workers: with 8, both hold some (1 in 128 not).
+            requests = [asyncio.ensure_future(pay(i)) for i in range(8)]
+            while upstream.count() < 8:
+                await asyncio.sleep(0.01)
+            os.killpg(proc.pid, signal.SIGTERM)
+            signalled = loop.time()
+            if signals == 2:
+                await asyncio.sleep(0.3)  # the first is handled
+                os.killpg(proc.pid, signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 30)
+            took = loop.time() - signalled
+            statuses = await asyncio.gather(*requests)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate(timeout=30)[0].decode()
+    if signals == 1:  # drained: every request in flight answered, exit 0
+        assert (code, statuses) == (0, [201] * 8), output
+        assert "exiting at once" not in output
+    else:  # the operator's second signal: at once, the requests cut
+        assert code == 128 + signal.SIGTERM and took < 2.5, output
+        assert 201 not in statuses and "SIGTERM again: exiting at once" in output
 
 
 @pytest.mark.parametrize(
