@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -346,7 +347,7 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
     """Run until SIGTERM/SIGINT; then drain (CONTRACT "Draining") and stop. A second signal exits at once."""
     proxy = Proxy(config, ready_after_start=False)
     proxy_runner = proxy.runner(access_log=None)
-    admin_runner = web.AppRunner(proxy.admin_app(), access_log=None, handle_signals=False)
+    admin_runner = AdminRunner(proxy.admin_app(), access_log=None, handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -467,6 +468,30 @@ class _Server(web.Server):
         handler.key_headers = self.key_headers
         handler.on_bad_key = self.on_bad_key
         return handler
+
+
+class _AdminRequest(web.Request):
+    """A request of the admin port. A request aiohttp's parser refused has no route, so the app's response
+    signal never ran for its answer, which went out with aiohttp's banner."""
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        if self._match_info is None:
+            await _admin_response_hook(self, response)
+        else:
+            await super()._prepare_hook(response)
+
+
+class AdminRunner(web.AppRunner):
+    """``web.AppRunner`` for the admin port, its own error answers made as the proxy port's are: problem+json,
+    no banner, and the refused line neither echoed nor logged (it may hold the admin token)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        return _Server(
+            server.request_handler, request_factory=partial(self.app._make_request, _cls=_AdminRequest),
+            handler_cancellation=server.handler_cancellation, loop=server._loop,
+            key_headers=frozenset(), on_bad_key=lambda _request: None, **server._kwargs,
+        )
 
 
 class _ProxyRunner(web.BaseRunner):

@@ -9,7 +9,7 @@ import textwrap
 
 from aiohttp import web
 
-from idemproxy.app import Proxy
+from idemproxy.app import AdminRunner, Proxy
 from idemproxy.config import load_config
 
 CHARGE_DELAY = 0.2  # seconds: slow enough that a double-submit visibly overlaps the first request
@@ -111,7 +111,7 @@ async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: s
     await web.TCPSite(upstream_runner, "127.0.0.1", upstream_port).start()
     proxy = Proxy(config)
     runners = [proxy.runner(access_log=None),
-               web.AppRunner(proxy.admin_app(), access_log=None)]
+               AdminRunner(proxy.admin_app(), access_log=None)]
     try:
         for runner, listen_port in zip(runners, (port, admin_port), strict=True):
             await runner.setup()

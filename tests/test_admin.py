@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -12,8 +13,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from idemproxy.app import AdminRunner
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, StorageFactory
 from tests.proxyproc import ProxyProcess
@@ -234,3 +237,31 @@ async def test_a_release_that_found_no_record_deletes_none_created_meanwhile(
     assert status == 404
     retry, _ = await proxy.post("/v1/charges", key="late", body=CHARGE, tenant="Bearer alice")
     assert retry.headers["Idempotent-Replayed"] == "true" and upstream.count(key="late") == 1
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET /admin/keys/t/k HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer " + TOKEN.encode() + b"\x01x\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: a\r\nX-Big: " + b"x" * 20_000 + b"\r\n\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+], ids=["control-byte-in-token", "oversized-header", "http2-preface"])
+async def test_a_request_the_admin_port_refuses_gets_a_problem_no_banner_and_no_echo(
+    make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture, raw: bytes
+) -> None:
+    """aiohttp answered these itself on the admin port: text/plain with its Server banner, quoting the refused
+    line (the admin token) in the body, and logging it with a traceback at ERROR."""
+    proxy = await make_proxy("embedded", admin={"token": TOKEN})
+    runner = AdminRunner(proxy.proxy.admin_app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        with caplog.at_level(logging.DEBUG):
+            resp = await send_raw(f"http://127.0.0.1:{port}", raw)
+        assert resp.status == 400 and resp.headers["content-type"] == "application/problem+json"
+        assert "server" not in resp.headers and json.loads(resp.body)["code"] == "bad_request"
+        assert TOKEN not in resp.body.decode() and TOKEN not in caplog.text and "ERROR" not in caplog.text
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/healthz") as ok:
+            assert ok.status == 200 and "Server" not in ok.headers  # routed answers as before
+    finally:
+        await runner.cleanup()

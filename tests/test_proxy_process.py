@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.proxyproc import ProxyProcess, wait_ready
-from tests.rawhttp import build_request
+from tests.rawhttp import build_request, send_raw
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream, pattern_sha256
 
@@ -256,6 +256,10 @@ async def test_readyz_is_503_while_starting(proxy_process: Factory, requires_sto
         (503, "starting", '{"postgres": "opening"}'), (503, "starting", '{"postgres": "unavailable"}'), after,
     }, (seen, proxy.log())
     assert proxy.proc.poll() is None, proxy.log()
+    # serve's admin port answers what its parser refuses as the proxy port does (tests/test_admin.py has more)
+    refused = await send_raw(proxy.admin_url, b"GET /healthz HTTP/1.1\r\nHost: a\r\nX-A: b\x01\r\n\r\n")
+    assert refused.status == 400 and "server" not in refused.headers
+    assert refused.headers["content-type"] == "application/problem+json"
 
 
 async def test_serve_with_only_an_upstream_flag_runs_on_the_embedded_store(
