@@ -146,10 +146,19 @@ class Proxy:
         shutdown_timeout (``stop``): one budget for everything, not one per step.
 
         A connection's own task is waited on, not the handler's: it covers a request read but not yet handed to
-        the handler, and an answer still being written after the handler returned."""
+        the handler, and an answer still being written after the handler returned. Each connection's socket is
+        closed as its task ends: an idle keep-alive connection's task ends at ``pre_shutdown`` (its wait for the
+        next request cancelled) without closing the socket, and a request sent on it would wait, never read,
+        until the last busy connection ended."""
         left = self._shutdown_left()
-        busy = [task for conn in server.connections
-                if isinstance(conn, _ProblemRequestHandler) and (task := conn.task) is not None and not task.done()]
+        busy = []
+        for conn in server.connections:
+            task = conn.task if isinstance(conn, _ProblemRequestHandler) else None
+            if task is None or task.done():
+                conn.force_close()
+            else:
+                task.add_done_callback(partial(_close_connection, conn))
+                busy.append(task)
         if busy:
             await asyncio.wait(busy, timeout=left)
         late = [task for task in busy if not task.done()]
@@ -468,6 +477,10 @@ class _Server(web.Server):
         handler.key_headers = self.key_headers
         handler.on_bad_key = self.on_bad_key
         return handler
+
+
+def _close_connection(conn: RequestHandler, _task: asyncio.Task[None]) -> None:
+    conn.force_close()
 
 
 class _AdminRequest(web.Request):

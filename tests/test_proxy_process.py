@@ -143,6 +143,43 @@ async def test_sigterm_drains_then_stops_accepting_then_exits_0(
     assert "draining: /readyz is 503" in proxy.log()
 
 
+async def test_an_idle_keep_alive_connection_is_closed_when_the_drain_ends(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """Once the port stops accepting, a connection with no request in progress is closed at once. It was left
+    open, unread, until the last request in flight ended: a request sent on it meanwhile got no answer and no
+    close for up to shutdown_timeout (an unknown outcome, for all the client could tell)."""
+    drain = 1.0
+    proxy = proxy_process({**embedded(upstream, tmp_path), "drain_delay": f"{drain}s", "shutdown_timeout": "20s"})
+    await proxy.start()
+    assert proxy.proc is not None
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        writer.write(b"GET /plain HTTP/1.1\r\nHost: a\r\n\r\n")  # served; the connection stays open, idle
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"Content-Length" in head
+        length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        async with aiohttp.ClientSession() as session:
+            slow = asyncio.ensure_future(pay(session, proxy, "slow", delay=drain + 6))
+            while upstream.count(key="slow") == 0:
+                await asyncio.sleep(0.01)
+            proxy.proc.send_signal(signal.SIGTERM)
+            signalled = loop.time()
+            await asyncio.sleep(drain + 0.5)  # past the drain delay: the port no longer accepts
+            writer.write(b"GET /late HTTP/1.1\r\nHost: a\r\n\r\n")
+            late = await asyncio.wait_for(reader.read(), 5)
+            assert late == b"" and loop.time() - signalled < drain + 3 and not slow.done()
+            resp = await slow
+            assert resp.status == 201
+            resp.release()
+    finally:
+        writer.close()
+    assert await asyncio.to_thread(proxy.proc.wait, 20) == 0
+    assert not any(e.path_qs == "/late" for e in upstream.executed)
+
+
 async def test_shutdown_timeout_bounds_the_whole_shutdown(
     upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
 ) -> None:
