@@ -55,7 +55,8 @@ def _integer(text: str) -> _Node:
 
 def _fraction(text: str) -> _Node:
     """A number with a fraction or an exponent: the exponent written ``E``, its sign always, no leading zeros
-    (``1e2``, ``1E02`` and ``1e+2`` are ``1E+2``; ``1e-0`` is ``1E+0``), as Decimal wrote it before."""
+    (``1e2``, ``1E02`` and ``1e+2`` are ``1E+2``; ``1e-0`` is ``1E+0``). Decimal, which wrote these before,
+    wrote ``1E+2`` and ``1.5E+3`` so too, but not ``1e-05`` (``0.00001``) or ``0.0000001`` (``1E-7``)."""
     cut = text.find("e")
     if cut < 0:
         cut = text.find("E")
@@ -175,11 +176,13 @@ def _framed(data: bytes) -> bytes:
     return len(data).to_bytes(8, "big") + data
 
 
-# A header's value slot when it is absent, and before the lines of a header sent more than once: lengths no
-# framed value can have (2**64 - 1, 2**64 - 2), so neither can equal a value sent once, empty or not. A header
-# sent once is framed as it always was, so those fingerprints did not change when absence started to count.
-_ABSENT = b"\xff" * 8
+# A header's value slot when it was sent once but empty, and before the lines of a header sent more than once:
+# lengths no framed value can have (2**64 - 1, 2**64 - 2), so neither can equal another form. An absent header
+# is framed as an empty value always was, and a header sent once with a value as it always was: the common
+# forms kept their fingerprints when "sent empty" and "several lines" started to count.
+_EMPTY = b"\xff" * 8
 _LINES = b"\xff" * 7 + b"\xfe"
+_NONE = len(b"").to_bytes(8, "big")
 
 Headers = Iterable[tuple[str, Sequence[str]]]
 """Each chosen header's name and the values of its lines as received (none when it is absent)."""
@@ -191,9 +194,9 @@ def _head(method: str, path_qs: str, headers: Headers) -> list[bytes]:
     for name, values in headers:
         head.append(_framed(_wire_bytes(name.lower())))
         if len(values) == 1:
-            head.append(_framed(_wire_bytes(values[0])))
+            head.append(_framed(_wire_bytes(values[0])) if values[0] else _EMPTY)
         elif not values:
-            head.append(_ABSENT)
+            head.append(_NONE)
         else:  # each line as it came: two lines `a` and `b` are not the one line `a,b`
             head.append(_LINES + len(values).to_bytes(8, "big"))
             head.extend(_framed(_wire_bytes(value)) for value in values)

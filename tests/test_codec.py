@@ -311,6 +311,10 @@ async def test_a_sealed_value_relabelled_as_clear_is_refused_not_replayed(
         with pytest.raises(RecordUnreadable):
             await store.claim("t", "relabelled", FP, lease=30, ttl=600)
     assert unreadable_count(metrics, backend) == 1
+    async with opened(with_codec(storage(backend), KEY_B), metrics) as store:  # A rotated out since
+        with pytest.raises(RecordUnreadable):
+            await store.claim("t", "relabelled", FP, lease=30, ttl=600)
+    assert unreadable_count(metrics, backend) == 2
     async with opened(storage(backend)) as store:  # with encryption off, a body in clear is what it says
         looks_sealed = StoredResponse(status=200, headers=(), body=MAGIC + b"\x02not a frame of ours")
         await completed(store, "clear", looks_sealed)

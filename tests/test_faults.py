@@ -113,6 +113,13 @@ async def test_ready_requires_store_takes_the_replica_out_while_another_process_
         intruder.execute("ROLLBACK")
     finally:
         intruder.close()
+    store = proxy.proxy.store
+
+    def busy_timeout() -> int:
+        assert store._db is not None
+        return int(store._db.execute("PRAGMA busy_timeout").fetchone()[0])
+
+    assert await store._run("test", busy_timeout) == 5000  # claims wait as long as before the probes
     status, ready = await readyz(proxy)
     assert (status, ready["stores"]) == (200, {"embedded": "ok"})
     assert (await proxy.post("/v1/charges", key="after-lock", body=CHARGE))[0].status == 201

@@ -19,7 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import idemproxy.fingerprint
-from idemproxy.fingerprint import MAX_DEPTH, Fingerprinter, canonical_json, fingerprint
+from idemproxy.fingerprint import MAX_DEPTH, OFFLOAD_BYTES, Fingerprinter, canonical_json, fingerprint
 from tests.conftest import ProxyFactory
 from tests.rawhttp import build_request, send_raw
 from tests.upstream import RecordingUpstream
@@ -386,6 +386,12 @@ def test_ordinary_bodies_keep_the_fingerprint_they_had_before_issue_14() -> None
     assert fp(body) == "aafa23ceb0643ca89d1f681ffe4231c0dc244367c8b5e99e285c3645fe625c79"
     assert fingerprint("post", "/v1/charges?expand=customer", [("X-Account", ["acct_1"])], b'{"b": [1, 2], "a": "x"}',
                        canonical=True) == "fde97207e216ad183d5ba1ab9a62d1935298d64243fec07685445ca7f41b00ff"
+    # A fingerprint header absent, as 0b551a7 computed it (the header then hashed as "", as one sent empty).
+    assert fingerprint("post", "/v1/charges", [("X-Account", [])], b'{"b": [1, 2], "a": "x"}',
+                       canonical=True) == "3c8638bb131891a531e9d8665638c34ec1bf019c68ef42f37af252a09566b03d"
+    # Numbers 0b551a7 wrote the same way (as Decimal did): the common spellings of JSON encoders.
+    assert canonical_json(b"[1000, 0.5, 100.10, 1e2, 1.5e3, 1e+16, 1.5e-07, 1e-7, -0, 2.50]") == (
+        b"[1000,0.5,100.10,1E+2,1.5E+3,1E+16,1.5E-7,1E-7,-0,2.50]")
 
 
 # --------------------------------------------------------------------------- the memo (a retry's same bytes)
@@ -413,6 +419,35 @@ def test_the_memo_answers_exactly_what_fingerprint_answers(doc: Any, seed: int, 
         assert memo(method, target, headers, payload, canonical=canonical) == fingerprint(
             method, target, headers, payload, canonical=canonical)
     assert len(memo._memo) <= memo.entries
+
+
+async def test_a_large_body_on_the_thread_gets_exactly_what_fingerprint_gives() -> None:
+    """Bodies of OFFLOAD_BYTES and more go through ``Fingerprinter.large``; every part counts there as it does
+    in :func:`fingerprint` (a version that dropped the target or the headers on the thread passed every other
+    test: its memo only ever compared the thread with itself)."""
+    body = json.dumps({"amount": 1000, "items": [{"sku": f"s{i}", "qty": i} for i in range(900)]}).encode()
+    reordered = json.dumps({"items": json.loads(body)["items"], "amount": 1000}, indent=2).encode()
+    assert len(body) >= OFFLOAD_BYTES
+    requests = [
+        (method, target, headers, payload, canonical)
+        for method in ("POST", "PATCH")
+        for target in ("/v1/charges", "/v1/charges?x=1")
+        for headers in ((), (("x-account", ["a"]),), (("x-account", ["b"]),), (("x-account", []),),
+                        (("x-account", [""]),), (("x-account", ["a", "b"]),))
+        for payload in (body, reordered, body + b" ", b"\xff" + body)
+        for canonical in (True, False)
+    ]
+    expected = [fingerprint(*request[:4], canonical=request[4]) for request in requests]
+    # Raw mode: every request its own; canonical mode adds one per head (the three JSON bodies are one; the
+    # non-UTF-8 one hashes raw, as in raw mode).
+    assert len(set(expected)) == len(requests) // 2 + len(requests) // 8
+    memo = Fingerprinter(entries=16)
+    order = list(range(len(requests))) * 2
+    random.Random(7).shuffle(order)
+    for index in order:
+        method, target, headers, payload, canonical = requests[index]
+        assert await memo.large(method, target, headers, payload, canonical=canonical) == expected[index]
+    assert memo.hits > 0 and len(memo._memo) <= memo.entries
 
 
 def test_a_retry_of_the_same_bytes_skips_the_canonical_form(monkeypatch: pytest.MonkeyPatch) -> None:
