@@ -548,6 +548,17 @@ def _http_url(value: Any) -> str:
     return text.rstrip("/")
 
 
+def _upstream_url(value: Any) -> str:
+    """An upstream's http(s) URL: a path in it goes before every request's path; a query or a fragment would
+    be dropped (each request's own query is passed on), so it is refused rather than ignored."""
+    url = _http_url(value)
+    parts = urlsplit(url)
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise _Invalid(f"{SecretURL(url).masked()!r} has a query or a fragment, which would never be sent (each "
+                       "request's own query is passed on): remove it")
+    return url
+
+
 def _optional_http_url(value: Any) -> str:
     """An http(s) URL, or empty for "not set" (what ``${NAME:-}`` gives)."""
     return "" if _str(value) == "" else _http_url(value)
@@ -655,7 +666,7 @@ _SPECS: dict[type[Any], _Spec] = {
     ForwardedConfig: {"trusted_proxies": _list(_network)},
     RequestIdConfig: {"header": _token},
     UpstreamConfig: {
-        "url": _http_url,
+        "url": _upstream_url,
         "connect_timeout": _positive_duration,
         "timeout": _positive_duration,
         "max_connections": _int(1, 100_000),

@@ -133,15 +133,16 @@ def upstream_request_headers(
     X-Forwarded-Proto/-Host sent by a trusted proxy (``forwarded.trusted_proxies``) describe the client's
     original request and pass through; from anyone else they could be forged, so this hop sets them.
     """
-    client = request.headers
-    headers = filter_headers(client, drop=(*_NOT_FORWARDED, *drop) if drop else _NOT_FORWARDED)
+    # What came in, hop-by-hop headers gone: an X-Forwarded-* the client named in Connection is not passed on,
+    # nor appended to.
+    headers = filter_headers(request.headers, drop=(*_NOT_FORWARDED, *drop) if drop else _NOT_FORWARDED)
     remote = request.remote or ""
-    forwarded_for = ", ".join([*client.getall("X-Forwarded-For", ()), remote])
+    forwarded_for = ", ".join([*headers.getall("X-Forwarded-For", ()), remote])
     headers["X-Forwarded-For"] = forwarded_for.strip(", ")
     trusted = policy.trusts(request.remote)
-    if not (trusted and "X-Forwarded-Proto" in client):
+    if not (trusted and "X-Forwarded-Proto" in headers):
         headers["X-Forwarded-Proto"] = request.scheme
-    if not (trusted and "X-Forwarded-Host" in client):
+    if not (trusted and "X-Forwarded-Host" in headers):
         headers.popall("X-Forwarded-Host", None)
         host = _requested_host(request)
         if host:

@@ -646,3 +646,13 @@ def test_a_fingerprint_header_that_never_reaches_the_upstream_is_refused(name: s
                for error in info.value.errors), info.value.errors
     assert from_yaml("idempotency: {fingerprint_headers: [X-Account, Host]}").idempotency.fingerprint_headers == (
         "X-Account", "Host")
+
+
+@pytest.mark.parametrize("url", ["http://api.internal:9000/v1?key=x", "http://api.internal/base#frag",
+                                 "http://api.internal/?"])
+def test_an_upstream_url_with_a_query_or_a_fragment_is_refused_not_dropped(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_yaml(f"upstream: {{url: '{url}'}}\nroutes: [{{prefix: /a, upstream: {{url: '{url}'}}}}]")
+    assert any(error.startswith("upstream.url: ") and "query or a fragment" in error for error in info.value.errors)
+    assert any(error.startswith("routes[0].upstream.url: ") for error in info.value.errors), info.value.errors
+    assert from_yaml("upstream: {url: 'http://api.internal:9000/base/'}").upstream.url == "http://api.internal:9000/base"

@@ -109,6 +109,21 @@ async def test_forwarded_headers_from_an_untrusted_peer_are_set_by_this_hop(
 
 
 @pytest.mark.parametrize("covered", [False, True])
+async def test_forwarded_headers_the_client_named_in_connection_are_dropped_not_passed_on(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, covered: bool
+) -> None:
+    """Named in ``Connection``, a header is hop-by-hop (RFC 9110 §7.6.1): X-Forwarded-For was still appended
+    to, and a trusted peer's X-Forwarded-Proto still passed through."""
+    proxy = await make_proxy("embedded", forwarded={"trusted_proxies": ["127.0.0.0/8", "::1"]})
+    sent = {"X-Forwarded-For": "6.6.6.6", "X-Forwarded-Proto": "https",
+            "Connection": "keep-alive, X-Forwarded-For, X-Forwarded-Proto"}
+    resp, _ = await proxy.post("/f", headers=sent, body=CHARGE, key="fc" if covered else None)
+    assert resp.status == 201
+    seen = upstream.executed[0].headers
+    assert seen.getall("X-Forwarded-For") == ["127.0.0.1"] and seen.getall("X-Forwarded-Proto") == ["http"]
+
+
+@pytest.mark.parametrize("covered", [False, True])
 async def test_forwarded_headers_from_a_trusted_peer_pass_through(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, covered: bool
 ) -> None:
