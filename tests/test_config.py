@@ -323,24 +323,31 @@ async def test_a_token_in_an_upstream_or_collector_url_is_masked_in_check_config
     tmp_path: Path, proxy_process: Callable[..., ProxyProcess]
 ) -> None:
     """An API gateway's or a collector's ``?token=`` used to be shown whole: these URLs are plain strings, not
-    secrets, so only the stores' URLs were masked."""
-    upstream = "http://127.0.0.1:1/base?api_token=up-SECRET&region=eu"
+    secrets, so only the stores' URLs were masked. An upstream URL's query is refused now (it was never sent),
+    and the refusal masks it too."""
     raw = {
-        "upstream": {"url": upstream},
+        "upstream": {"url": "http://127.0.0.1:1/base?api_token=up-SECRET&region=eu"},
         "routes": [{"prefix": "/b", "upstream": {"url": "http://127.0.0.1:2/?token=route-SECRET"}}],
         "tracing": {"enabled": False, "exporter": "otlp", "endpoint": "http://otel:4318/v1/traces?token=otel-SECRET"},
         "storage": {"embedded": {"path": str(tmp_path / "s.sqlite3")}},
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
+    refused = check_config(path)
+    assert refused.returncode == 1 and "SECRET" not in refused.stdout + refused.stderr
+    assert "upstream.url: 'http://127.0.0.1:1/base?api_token=***&region=eu' has a query" in refused.stderr
+    assert "routes[0].upstream.url: 'http://127.0.0.1:2/?token=***' has a query" in refused.stderr
+    raw["upstream"] = {"url": "http://127.0.0.1:1/base"}
+    raw["routes"] = [{"prefix": "/b", "upstream": {"url": "http://127.0.0.1:2/"}}]
+    path.write_text(yaml.safe_dump(raw))
     result = check_config(path)
     assert result.returncode == 0, result.stderr
     assert "SECRET" not in result.stdout + result.stderr
     shown = yaml.safe_load(result.stdout)
-    assert shown["upstream"]["url"] == "http://127.0.0.1:1/base?api_token=***&region=eu"
-    assert shown["routes"][0]["upstream"]["url"] == "http://127.0.0.1:2/?token=***"
     assert shown["tracing"]["endpoint"] == "http://otel:4318/v1/traces?token=***"
-    assert load_config(raw, env={}).upstream.url == upstream  # (masked when shown, never when used)
+    assert load_config(raw, env={}).tracing.endpoint.endswith("otel-SECRET")  # (masked when shown, never when used)
+    raw["tracing"] = {"enabled": False, "exporter": "otlp",
+                      "endpoint": "http://otel:4318/v1/traces?api_token=otel-SECRET"}
     proc = proxy_process(raw)
     await proc.start()
     proc.stop()
