@@ -253,19 +253,25 @@ async def copy_stored_value(backend: str, section: dict[str, Any], store: Store,
         finally:
             client.close()
         return
-    copy = ("UPDATE {table} SET headers = (SELECT headers FROM {table} WHERE tenant = 't' AND key = '{s}'), "
-            "body = (SELECT body FROM {table} WHERE tenant = 't' AND key = '{s}') WHERE tenant = 't' AND key = '{t}'")
+    await update_one_row(backend, section, (
+        f"UPDATE {{table}} SET headers = (SELECT headers FROM {{table}} WHERE tenant = 't' AND key = '{source}'), "
+        f"body = (SELECT body FROM {{table}} WHERE tenant = 't' AND key = '{source}') "
+        f"WHERE tenant = 't' AND key = '{target}'"))
+
+
+async def update_one_row(backend: str, section: dict[str, Any], update: str) -> None:
+    """Run ``update`` (``{table}``: the records table) on the durable store itself; it must change one row."""
     if backend == "embedded":
         db = sqlite3.connect(section["embedded"]["path"])
         try:
-            assert db.execute(copy.format(table="records", s=source, t=target)).rowcount == 1
+            assert db.execute(update.format(table="records")).rowcount == 1
             db.commit()
         finally:
             db.close()
         return
     conn = await asyncpg.connect(section["postgres"]["dsn"])
     try:
-        assert await conn.execute(copy.format(table="idemproxy_records", s=source, t=target)) == "UPDATE 1"
+        assert await conn.execute(update.format(table="idemproxy_records")) == "UPDATE 1"
     finally:
         await conn.close()
 
@@ -284,19 +290,7 @@ async def relabel_as_clear(backend: str, section: dict[str, Any], store: Store, 
         finally:
             client.close()
         return
-    if backend == "embedded":
-        db = sqlite3.connect(section["embedded"]["path"])
-        try:
-            assert db.execute("UPDATE records SET headers = '[]' WHERE key = ?", (key,)).rowcount == 1
-            db.commit()
-        finally:
-            db.close()
-        return
-    conn = await asyncpg.connect(section["postgres"]["dsn"])
-    try:
-        assert await conn.execute("UPDATE idemproxy_records SET headers = '[]' WHERE key = $1", key) == "UPDATE 1"
-    finally:
-        await conn.close()
+    await update_one_row(backend, section, f"UPDATE {{table}} SET headers = '[]' WHERE tenant = 't' AND key = '{key}'")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
