@@ -140,6 +140,46 @@ async def test_a_hung_postgres_leaves_redis_named_in_readyz(
         relay.restore()
 
 
+@pytest.mark.parametrize("fault", ["out_of_memory", "paused"])
+async def test_a_lock_a_failed_settle_left_never_answers_409_for_a_completed_key(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str, fault: str
+) -> None:
+    """Redis failed just as the completion dropped its lock: out of memory (noeviction refused the replay copy's
+    SET, which ended the script before its DEL), or paused for writes (the script timed out). The lock stayed
+    until it expired (LOCK_MAX, 10 s), and every retry answered 409 in_flight from Redis alone while PostgreSQL
+    held the key completed (guarantee 4). Now the lock goes first, and one a settle could not drop is dropped
+    in the background once Redis answers."""
+    proxy = await make_proxy(storage_section={**redis_section(running_redis, clean_pg), "replay_memory": 0})
+    store = proxy.proxy.store
+    assert isinstance(store, RedisFrontedStore)
+    client = sync_redis.Redis.from_url(running_redis.url)
+    lock = store._keys(proxy.proxy.engine.resolve_tenant_value("Bearer t1"), "stale")[0]
+    first = asyncio.ensure_future(proxy.post("/v1/charges", key="stale", body=CHARGE,
+                                             headers={"X-Test-Delay": "0.6"}))
+    while upstream.count(key="stale") == 0:
+        await asyncio.sleep(0.01)
+    assert client.exists(lock)
+    if fault == "out_of_memory":
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)
+    else:
+        client.client_pause(1500, all=False)  # writes (and scripts) wait; reads go on
+    resp, _ = await first
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    if fault == "out_of_memory":
+        assert not client.exists(lock)  # dropped by the settle itself, before its answer went out
+        client.config_set("maxmemory", 0)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5  # the lock itself would stand for 10 s from the claim
+    while client.exists(lock) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    assert not client.exists(lock)
+    again, _ = await proxy.post("/v1/charges", key="stale", body=CHARGE)
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="stale") == 1
+    client.close()
+
+
 async def test_redis_down_mid_run_costs_latency_never_correctness(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, running_redis: RedisServer, clean_pg: str
 ) -> None:

@@ -58,10 +58,15 @@ SOCKET_TIMEOUT = 0.5  # seconds: Redis is the fast path; slower than this, Postg
 DURABLE_PROBE_TIMEOUT = 1.5  # a health check's wait for PostgreSQL: inside the app's bound for the whole check
 POOL_SIZE = 256  # connections to Redis; past it a request waits up to SOCKET_TIMEOUT for one
 # The Redis lock only keeps duplicates away from PostgreSQL; it lives at most this long, so a lock whose removal
-# failed (Redis errored at that moment) answers 409 for seconds, not for a whole lease. Past it, duplicates of a
-# long request ask PostgreSQL, which still decides.
+# failed (Redis errored at that moment, and the background drop could not reach it either) answers 409 for
+# seconds, not for a whole lease. Past it, duplicates of a long request ask PostgreSQL, which still decides.
 LOCK_MAX = 10.0
 BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
+# Locks a settle could not drop (Redis failed, or was skipped, just then) are dropped again in the background,
+# every STALE_LOCK_RETRY seconds until Redis answers or LOCK_MAX has passed (the lock has expired by then): a lock
+# left behind answers 409 for a key PostgreSQL holds completed. At most STALE_LOCKS_MAX are remembered.
+STALE_LOCK_RETRY = 0.5
+STALE_LOCKS_MAX = 10_000
 CLOSE_TIMEOUT = 2.0  # seconds any one shutdown step may take
 # An epoch must outlive the window between a writer's read of it and its write (a claim and its completion);
 # one that expires sooner only costs that write (refused), never correctness.
@@ -99,12 +104,14 @@ return {'acquired', epoch}
 # epoch seen, publish ('1'/'0').
 # Caches the payload only if the epoch is still the one seen; drops the lock if it is still ours; wakes waiters
 # everywhere only when something changed.
+# The lock goes first: a Redis out of memory (maxmemory, noeviction) refuses the SET and ends the script there,
+# but a DEL it still runs, and a lock left behind would answer 409 for a completed key until it expires.
 _SETTLE = """
+local lock = redis.call('GET', KEYS[1])
+if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
 if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[6] then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 end
-local lock = redis.call('GET', KEYS[1])
-if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
 if ARGV[7] == '1' then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
 return 1
 """
@@ -264,6 +271,9 @@ class RedisFrontedStore(Store):
         self._lean = RespClient(config.url.reveal(), SOCKET_TIMEOUT) if (
             not config.cluster and supports(config.url.reveal())) else None
         self._unlocking: set[asyncio.Task[Any]] = set()
+        # (tenant, key) -> (token, when to give up (monotonic), publish): locks a failed settle left behind.
+        self._stale_locks: dict[tuple[str, str], tuple[str, float, bool]] = {}
+        self._unlocker: asyncio.Task[None] | None = None
         self._down_until = 0.0
         self._degraded = False
         self._heard = float("-inf")  # when the subscriber last heard from Redis (monotonic)
@@ -280,6 +290,8 @@ class RedisFrontedStore(Store):
 
     async def close(self) -> None:
         self._closing.set()
+        if self._unlocker is not None:
+            self._unlocker.cancel()  # what it has not dropped expires by itself within LOCK_MAX
         if self._unlocking:
             await asyncio.wait(set(self._unlocking), timeout=CLOSE_TIMEOUT)
         if self._pipelines is not None:
@@ -536,6 +548,39 @@ class RedisFrontedStore(Store):
                     [token, payload, cache_ms, self.channel, self.watchers.message(tenant, key), epoch,
                      "1" if publish else "0"],
                 )
+        if not step.usable:  # failed, or skipped while the breaker is open: the lock may still stand
+            self._drop_later(tenant, key, token, publish)
+
+    def _drop_later(self, tenant: str, key: str, token: str, publish: bool) -> None:
+        stale = self._stale_locks
+        if len(stale) >= STALE_LOCKS_MAX:
+            del stale[next(iter(stale))]  # the oldest: its lock expires soonest anyway
+        stale[(tenant, key)] = (token, time.monotonic() + LOCK_MAX, publish)
+        if self._unlocker is None or self._unlocker.done():
+            self._unlocker = asyncio.create_task(self._drop_stale_locks(), name="idemproxy-redis-unlocker")
+
+    async def _drop_stale_locks(self) -> None:
+        """Drop, fenced by their tokens, the locks failed settles left, once Redis answers again."""
+        stale = self._stale_locks
+        while stale:
+            await asyncio.sleep(STALE_LOCK_RETRY)
+            now = time.monotonic()
+            for name in [name for name, (_, until, _) in stale.items() if until <= now]:
+                del stale[name]
+            batch = list(stale.items())[:PIPELINE_MAX]
+            if not batch:
+                return
+            with self._fast("settle") as step:
+                if step.usable:
+                    await asyncio.gather(*(self._script(
+                        self._settle_script, self._keys(tenant, key),
+                        [token, b"", 1, self.channel, self.watchers.message(tenant, key), UNKNOWN_EPOCH,
+                         "1" if publish else "0"],
+                    ) for (tenant, key), (token, _, publish) in batch))
+            if step.usable:
+                for name, (token, _, _) in batch:
+                    if stale.get(name, ("",))[0] == token:
+                        del stale[name]
 
     def announce_completions(self, on: bool) -> None:
         super().announce_completions(on)
