@@ -29,6 +29,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+def _one_line(record: logging.LogRecord) -> bool:
+    """asyncpg's pool logs a traceback each time it cannot refill its minimum of connections while PostgreSQL is
+    away (a restart, a connection limit); our own lines already say the store is down. Keep its line, with the
+    error's type and message, and drop the traceback."""
+    if record.exc_info and record.exc_info[1] is not None:
+        error = record.exc_info[1]
+        record.msg = f"{record.getMessage()} ({type(error).__name__}: {error})"
+        record.args = None
+        record.exc_info = None
+        record.exc_text = None
+    return True
+
+
 def setup_logging(config: LogConfig) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if config.format == "json":
@@ -40,3 +53,6 @@ def setup_logging(config: LogConfig) -> None:
     root.setLevel(logging.CRITICAL + 1 if config.level == "OFF" else config.level)
     for noisy in ("aiohttp.access",):  # our own access line replaces aiohttp's
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    pool = logging.getLogger("asyncpg.pool")
+    if _one_line not in pool.filters:
+        pool.addFilter(_one_line)

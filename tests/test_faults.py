@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 import uuid
 from collections import Counter
@@ -178,6 +179,33 @@ async def test_a_lock_a_failed_settle_left_never_answers_409_for_a_completed_key
     assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
     assert upstream.count(key="stale") == 1
     client.close()
+
+
+async def test_a_completion_held_up_by_a_lock_past_its_timeout_never_lands_late_as_a_replay(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A completion that waited on a table lock past the client's 5 s kept waiting on the server after its
+    connection was dropped, and committed when the lock lifted; the retry then found the key completed, took
+    itself for refused, and the first-time client got its own answer marked as a replay. The server now
+    cancels the statement first (statement_timeout 4.5 s)."""
+    proxy = await make_proxy(storage_section=pg_section(clean_pg), idempotency={"settle_timeout": "20s"})
+    keys = [f"locked-{i}" for i in range(5)]
+    requests = [asyncio.ensure_future(proxy.post("/v1/charges", key=key, body=CHARGE,
+                                                 headers={"X-Test-Delay": "0.5"})) for key in keys]
+    while len(upstream.executed) < len(keys):  # every claim landed; the completions come in 0.5 s
+        await asyncio.sleep(0.01)
+    holder = await asyncpg.connect(clean_pg)
+    try:
+        async with holder.transaction():
+            await holder.execute("LOCK TABLE idemproxy_records IN ACCESS EXCLUSIVE MODE")
+            await asyncio.sleep(7)  # past the 5 s each completion attempt waits
+        with caplog.at_level(logging.WARNING, "idemproxy"):
+            answers = await asyncio.gather(*requests)
+    finally:
+        await holder.close()
+    assert [(resp.status, resp.headers["Idempotent-Replayed"]) for resp, _ in answers] == [(201, "false")] * 5
+    assert "taken over or released" not in caplog.text
+    assert all(upstream.count(key=key) == 1 for key in keys)
 
 
 async def test_redis_down_mid_run_costs_latency_never_correctness(

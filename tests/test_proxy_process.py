@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -17,6 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from idemproxy.config import load_config
+from idemproxy.logs import setup_logging
 from tests.proxyproc import ProxyProcess, wait_ready
 from tests.rawhttp import build_request, send_raw
 from tests.servers import free_port
@@ -329,3 +332,26 @@ async def test_serve_with_only_an_upstream_flag_runs_on_the_embedded_store(
         output = proc.communicate(timeout=20)[0].decode()
     assert "single-instance only" in output
     assert (tmp_path / "idemproxy.sqlite3").exists()
+
+
+def test_asyncpgs_pool_warning_is_one_line_without_its_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """While PostgreSQL is away, asyncpg's pool logs "Failed to restore the pool connection floor" with a whole
+    traceback each time; the proxy's own lines already say the store is down."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging(load_config({"upstream": {"url": "http://127.0.0.1:1"}}).log)
+        try:
+            raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+        except ConnectionRefusedError:
+            logging.getLogger("asyncpg.pool").warning("Failed to restore the pool connection floor; %s", "retrying",
+                                                      exc_info=True)
+        logging.getLogger("idemproxy.test").warning("ours keep theirs", exc_info=ValueError("kept"))
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    pool_line, *rest = err.splitlines()
+    assert pool_line.endswith("WARNING asyncpg.pool: Failed to restore the pool connection floor; retrying "
+                              "(ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 5432))")
+    assert rest[-1] == "ValueError: kept"  # other loggers keep their exception text

@@ -35,6 +35,11 @@ MIGRATION_LOCK = 0x1DE4_0001
 SWEEP_LOCK = 0x1DE4_0002
 MAINTAIN_LOCK = 0x1DE4_0003  # partition maintenance: session-level, held across its DDL transactions
 OPERATION_TIMEOUT = 5.0  # seconds: a hung database must become a 503, never a hung request
+# The server gives up on a statement before we do: one we stopped waiting for (a connection dropped at
+# OPERATION_TIMEOUT) must not go on waiting for a lock and land later. A completion that landed after its
+# client's attempt timed out made the retry find the key completed, so the first-time client was told its
+# answer was a replay ("completion refused: the key was taken over"), though nothing took it over.
+STATEMENT_TIMEOUT = OPERATION_TIMEOUT - 0.5
 
 MIGRATIONS: tuple[str, ...] = (
     f"""
@@ -741,6 +746,8 @@ class PostgresStore(Store):
         self._returning: set[asyncio.Task[Any]] = set()
 
     async def _init_connection(self, conn: Any) -> None:
+        # A SET, not a startup parameter: connection poolers refuse startup parameters they do not know.
+        await conn.execute(f"SET statement_timeout = {int(STATEMENT_TIMEOUT * 1000)}")
         conn.add_query_logger(self._count_statement)
 
     def _count_statement(self, _query: Any) -> None:
