@@ -34,8 +34,11 @@ def _one_line(record: logging.LogRecord) -> bool:
     away (a restart, a connection limit); our own lines already say the store is down. Keep its line, with the
     error's type and message, and drop the traceback."""
     if record.exc_info and record.exc_info[1] is not None:
-        error = record.exc_info[1]
-        record.msg = f"{record.getMessage()} ({type(error).__name__}: {error})"
+        try:  # (a filter runs outside logging's own error handling: never raise into asyncpg's pool)
+            error = record.exc_info[1]
+            record.msg = f"{record.getMessage()} ({type(error).__name__}: {error})"
+        except Exception:  # the record is then logged as it came, traceback and all
+            return True
         record.args = None
         record.exc_info = None
         record.exc_text = None

@@ -400,3 +400,36 @@ async def until_live(proxy: RunningProxy) -> None:
     while not proxy.proxy.store.notifications_live():
         assert loop.time() < deadline, "the Redis subscriber never came up"
         await asyncio.sleep(0.02)
+
+
+async def test_only_a_lock_redis_granted_is_dropped_later_and_a_second_owner_hides_none(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    """Settles that fail or are skipped while the breaker rests: the background drop remembers only those whose
+    claim Redis granted a lock (a claim made while Redis rested took none; thousands of those pushed the real
+    stale locks out of its bound), each by its own token (a second owner of the key, completed with Redis
+    resting, replaced the first one's entry, and that lock stood until it expired)."""
+    proxy = await make_proxy(storage_section={**section(clean_pg, redis_url, redis_prefix), "replay_memory": 0})
+    store = fronted(proxy)
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    lock = redis_keys(proxy, "shared")[0]
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        first = await store.claim(tenant, "shared", "f" * 64, lease=3, ttl=60)
+        assert first.owned and first.cache_lock and client.exists(lock)
+        store._down_until = time.monotonic() + 60  # Redis rests (as after a failure): every Redis step skipped
+        await store.release(first)  # its settle skipped: the lock stands, remembered
+        second = await store.claim(tenant, "shared", "f" * 64, lease=3, ttl=60)  # PostgreSQL alone: no lock
+        assert second.owned and not second.cache_lock
+        await store.complete(second, StoredResponse(201, (), b"{}"), ttl=60)
+        for i in range(20):  # more completions while Redis rests: nothing of theirs to drop
+            other = await store.claim(tenant, f"other-{i}", "f" * 64, lease=3, ttl=60)
+            await store.complete(other, StoredResponse(201, (), b"{}"), ttl=60)
+        assert list(store._stale_locks) == [(tenant, "shared", first.token)]
+        store._down_until = 0.0  # Redis answers again
+        await until(lambda: not client.exists(lock), timeout=5)  # (it would stand 10 s from the claim)
+        assert not store._stale_locks
+        again = await store.claim(tenant, "shared", "f" * 64, lease=3, ttl=60)
+        assert not again.owned and again.record.state is State.COMPLETED
+    finally:
+        client.close()

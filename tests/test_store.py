@@ -288,15 +288,16 @@ def test_a_claims_copies_carry_every_other_field() -> None:
                     lease_expires_at=5.0, response=StoredResponse(201, (("a", "b"),), b"x"), created_at=1.0,
                     completed_at=None, expires_at=9.0)
     claim = Claim(record=record, owned=True, now=2.0, took_over=True, replaced_expired=True, cache_epoch="e1",
-                  received=3.0)
+                  cache_lock=True, received=3.0)
     assert [f.name for f in fields(Claim)] == ["record", "owned", "now", "took_over", "replaced_expired",
-                                               "cache_epoch", "received"]
+                                               "cache_epoch", "cache_lock", "received"]
 
     def values(c: Claim) -> list[object]:
         return [getattr(c, f.name) for f in fields(Claim)]
 
     assert values(claim.received_at(7.0)) == values(replace(claim, received=7.0))
-    assert values(claim.with_epoch("e2")) == values(replace(claim, cache_epoch="e2"))
+    assert values(claim.with_epoch("e2")) == values(replace(claim, cache_epoch="e2", cache_lock=False))
+    assert values(claim.with_epoch("e2", True)) == values(replace(claim, cache_epoch="e2", cache_lock=True))
 
 
 @quick_init

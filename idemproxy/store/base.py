@@ -128,6 +128,7 @@ class Claim:
     took_over: bool = False  # owned by taking over an in-flight record whose lease ran out
     replaced_expired: bool = False  # owned by replacing a record whose TTL had passed
     cache_epoch: str | None = None  # a cache in front of the durable store: what it read first (redis.py)
+    cache_lock: bool = False  # that cache took a lock for this claim (redis.py), which its settle must drop
     # This process's monotonic clock when the answer arrived: lease deadlines are computed from it, never
     # from the wall clock, so a clock step cannot stretch a background retry past the lease.
     received: float = field(default_factory=time.monotonic, compare=False)
@@ -149,12 +150,12 @@ class Claim:
     def received_at(self, received: float) -> Claim:
         """This claim, its answer counted as arrived at ``received`` (this process's monotonic clock)."""
         return Claim(self.record, self.owned, self.now, self.took_over, self.replaced_expired, self.cache_epoch,
-                     received)
+                     self.cache_lock, received)
 
-    def with_epoch(self, cache_epoch: str) -> Claim:
-        """This claim, with what the cache in front of the durable store read first."""
+    def with_epoch(self, cache_epoch: str, cache_lock: bool = False) -> Claim:
+        """This claim, with what the cache in front of the durable store read first, and whether it locked."""
         return Claim(self.record, self.owned, self.now, self.took_over, self.replaced_expired, cache_epoch,
-                     self.received)
+                     cache_lock, self.received)
 
 
 class _Measured:

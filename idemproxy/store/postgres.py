@@ -40,6 +40,11 @@ OPERATION_TIMEOUT = 5.0  # seconds: a hung database must become a 503, never a h
 # client's attempt timed out made the retry find the key completed, so the first-time client was told its
 # answer was a replay ("completion refused: the key was taken over"), though nothing took it over.
 STATEMENT_TIMEOUT = OPERATION_TIMEOUT - 0.5
+_STATEMENT_TIMEOUT_SQL = (
+    "SELECT set_config('statement_timeout', CASE WHEN current_setting('statement_timeout')::interval = interval '0' "
+    f"OR current_setting('statement_timeout')::interval > interval '{int(STATEMENT_TIMEOUT * 1000)} ms' "
+    f"THEN '{int(STATEMENT_TIMEOUT * 1000)}ms' ELSE current_setting('statement_timeout') END, false)"
+)
 
 MIGRATIONS: tuple[str, ...] = (
     f"""
@@ -746,8 +751,9 @@ class PostgresStore(Store):
         self._returning: set[asyncio.Task[Any]] = set()
 
     async def _init_connection(self, conn: Any) -> None:
-        # A SET, not a startup parameter: connection poolers refuse startup parameters they do not know.
-        await conn.execute(f"SET statement_timeout = {int(STATEMENT_TIMEOUT * 1000)}")
+        # A SET, not a startup parameter: connection poolers refuse startup parameters they do not know. A
+        # stricter timeout the operator set (on the role, the database, the DSN's options) is kept.
+        await conn.execute(_STATEMENT_TIMEOUT_SQL)
         conn.add_query_logger(self._count_statement)
 
     def _count_statement(self, _query: Any) -> None:

@@ -104,8 +104,10 @@ return {'acquired', epoch}
 # epoch seen, publish ('1'/'0').
 # Caches the payload only if the epoch is still the one seen; drops the lock if it is still ours; wakes waiters
 # everywhere only when something changed.
-# The lock goes first: a Redis out of memory (maxmemory, noeviction) refuses the SET and ends the script there,
-# but a DEL it still runs, and a lock left behind would answer 409 for a completed key until it expires.
+# The lock goes first. Out of memory (maxmemory, noeviction), Redis refuses a script's first write that could grow
+# memory (the copy's SET, when it came first: the script ended there, the lock left standing, a completed key
+# answering 409 until the lock expired); a DEL is allowed, and a script that has written goes on past the limit,
+# so the copy is written too.
 _SETTLE = """
 local lock = redis.call('GET', KEYS[1])
 if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
@@ -271,8 +273,8 @@ class RedisFrontedStore(Store):
         self._lean = RespClient(config.url.reveal(), SOCKET_TIMEOUT) if (
             not config.cluster and supports(config.url.reveal())) else None
         self._unlocking: set[asyncio.Task[Any]] = set()
-        # (tenant, key) -> (token, when to give up (monotonic), publish): locks a failed settle left behind.
-        self._stale_locks: dict[tuple[str, str], tuple[str, float, bool]] = {}
+        # (tenant, key, token) -> (when to give up (monotonic), publish): locks failed settles left behind.
+        self._stale_locks: dict[tuple[str, str, str], tuple[float, bool]] = {}
         self._unlocker: asyncio.Task[None] | None = None
         self._down_until = 0.0
         self._degraded = False
@@ -514,10 +516,10 @@ class RedisFrontedStore(Store):
             )
         except BaseException:
             if locked:  # nothing changed anywhere: drop our lock quietly (no wake-up for anyone)
-                await self._settle(tenant, key, token, publish=False)
+                await self._settle(tenant, key, token, publish=False, locked=True)
             raise
         if claim.owned:
-            return claim.with_epoch(epoch)
+            return claim.with_epoch(epoch, locked)
         if fast is not None:
             await self._repair(tenant, key, token, epoch, claim, locked)
         return claim
@@ -532,14 +534,15 @@ class RedisFrontedStore(Store):
             await self._settle(tenant, key, token, payload=_encode(record, self.codec),
                                ttl=record.expires_at - claim.now, epoch=epoch, publish=False)
         elif locked:
-            await self._settle(tenant, key, token, publish=False)
+            await self._settle(tenant, key, token, publish=False, locked=True)
 
     async def _settle(
         self, tenant: str, key: str, token: str, *, payload: bytes = b"", ttl: float = 0.0,
-        epoch: str = UNKNOWN_EPOCH, publish: bool = True,
+        epoch: str = UNKNOWN_EPOCH, publish: bool = True, locked: bool = False,
     ) -> None:
         """Cache ``payload`` (if any, and only if the epoch is still ``epoch``), drop the lock if ``token``
-        holds it, and wake waiters when ``publish``."""
+        holds it, and wake waiters when ``publish``. ``locked``: Redis granted ``token`` the lock, so a settle
+        that fails leaves it behind, to be dropped in the background."""
         cache_ms = max(1, int(min(self.config.replay_cache_ttl, ttl) * 1000))
         with self._fast("settle") as step:
             if step.usable:
@@ -548,14 +551,16 @@ class RedisFrontedStore(Store):
                     [token, payload, cache_ms, self.channel, self.watchers.message(tenant, key), epoch,
                      "1" if publish else "0"],
                 )
-        if not step.usable:  # failed, or skipped while the breaker is open: the lock may still stand
+        if locked and not step.usable:  # failed, or skipped while the breaker rests: the lock still stands
             self._drop_later(tenant, key, token, publish)
 
     def _drop_later(self, tenant: str, key: str, token: str, publish: bool) -> None:
+        if self._closing.is_set():
+            return  # (it expires by itself within LOCK_MAX)
         stale = self._stale_locks
         if len(stale) >= STALE_LOCKS_MAX:
             del stale[next(iter(stale))]  # the oldest: its lock expires soonest anyway
-        stale[(tenant, key)] = (token, time.monotonic() + LOCK_MAX, publish)
+        stale[(tenant, key, token)] = (time.monotonic() + LOCK_MAX, publish)
         if self._unlocker is None or self._unlocker.done():
             self._unlocker = asyncio.create_task(self._drop_stale_locks(), name="idemproxy-redis-unlocker")
 
@@ -565,22 +570,24 @@ class RedisFrontedStore(Store):
         while stale:
             await asyncio.sleep(STALE_LOCK_RETRY)
             now = time.monotonic()
-            for name in [name for name, (_, until, _) in stale.items() if until <= now]:
+            for name in [name for name, (until, _) in stale.items() if until <= now]:
                 del stale[name]
             batch = list(stale.items())[:PIPELINE_MAX]
             if not batch:
                 return
             with self._fast("settle") as step:
                 if step.usable:
-                    await asyncio.gather(*(self._script(
+                    results = await asyncio.gather(*(self._script(
                         self._settle_script, self._keys(tenant, key),
                         [token, b"", 1, self.channel, self.watchers.message(tenant, key), UNKNOWN_EPOCH,
                          "1" if publish else "0"],
-                    ) for (tenant, key), (token, _, publish) in batch))
-            if step.usable:
-                for name, (token, _, _) in batch:
-                    if stale.get(name, ("",))[0] == token:
-                        del stale[name]
+                    ) for (tenant, key, token), (_, publish) in batch), return_exceptions=True)
+                    for (name, _), result in zip(batch, results, strict=True):
+                        if not isinstance(result, BaseException):
+                            stale.pop(name, None)
+                    failed = [result for result in results if isinstance(result, BaseException)]
+                    if failed:
+                        raise failed[0]  # noted as any Redis failure: the breaker rests, the rest waits
 
     def announce_completions(self, on: bool) -> None:
         super().announce_completions(on)
@@ -599,12 +606,12 @@ class RedisFrontedStore(Store):
             ), self.codec)
         await self._settle(claim.record.tenant, claim.record.key, claim.token, payload=payload, ttl=ttl,
                            epoch=UNKNOWN_EPOCH if claim.cache_epoch is None else claim.cache_epoch,
-                           publish=self.announcing)
+                           publish=self.announcing, locked=claim.cache_lock)
         return done
 
     async def release(self, claim: Claim) -> bool:
         done = await self.durable.release(claim)
-        await self._settle(claim.record.tenant, claim.record.key, claim.token)
+        await self._settle(claim.record.tenant, claim.record.key, claim.token, locked=claim.cache_lock)
         return done
 
     async def get(self, tenant: str, key: str) -> Record | None:
