@@ -43,7 +43,6 @@ CHUNK = 64 * 1024
 SMALL_BODY = 64 * 1024  # plain proxying reads bodies up to this size whole instead of streaming them
 
 
-
 REQUEST_ID = web.RequestKey("request_id", str)
 """This request's id (set by the app before the engine runs)."""
 

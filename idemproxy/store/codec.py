@@ -46,6 +46,7 @@ MAGIC = b"IDP1"
 COMPRESSED = 0x01
 SEALED = 0x02
 KEY_ID_BYTES = 8
+TAG_BYTES = 16  # AES-GCM's authentication tag, at the end of a sealed frame
 NONCE_BYTES = 12  # 96-bit random nonces: collision odds stay negligible far past any record count we store
 FRAMED = "@frame"  # the headers column of a record whose headers and body are one frame in the body column
 # What a decompressed frame may hold besides the body: every header of a response, with room to spare.
@@ -114,13 +115,13 @@ def record_hash(tenant: str, key: str) -> str:
     return hashlib.sha256(f"{tenant}\x1f{key}".encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
-
 def _named_key(frame: bytes) -> bytes | None:
     """The key id a frame names, when its flags say it is sealed (whatever else they say)."""
     split = len(MAGIC) + 1 + KEY_ID_BYTES
     if len(frame) >= split and frame[len(MAGIC)] & SEALED:
         return frame[len(MAGIC) + 1:split]
     return None
+
 
 class Codec:
     """Packs stored responses per the storage config and reads back every format ever written."""
@@ -276,7 +277,7 @@ class Codec:
         with the frame's magic bytes and a sealed flag would be refused too: not seen in practice.)"""
         if self._keys and body.startswith(MAGIC):
             kid = _named_key(body)
-            if kid is not None and len(body) >= len(MAGIC) + 1 + KEY_ID_BYTES + NONCE_BYTES + 16:  # + the tag
+            if kid is not None and len(body) >= len(MAGIC) + 1 + KEY_ID_BYTES + NONCE_BYTES + TAG_BYTES:
                 raise self._unreadable(tenant, key, backend, Unreadable(
                     "a sealed value under the marker of a value in clear (tampered)", kid))
         return body

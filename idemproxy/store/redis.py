@@ -431,10 +431,13 @@ class RedisFrontedStore(Store):
         script, keys, args = call
         if script is not self._claim_script or not isinstance(reply, list) or reply[:1] != [b"acquired"]:
             return
-        token = args[2]
-        follow_up(self._unlocking, self._script(
-            self._settle_script, keys, [token, b"", 1, self.channel, b"", UNKNOWN_EPOCH, "0"]),
-            "dropping an abandoned claim's Redis lock (it expires by itself)")
+        follow_up(self._unlocking, self._drop_lock(keys, args[2], b"", publish=False),
+                  "dropping an abandoned claim's Redis lock (it expires by itself)")
+
+    async def _drop_lock(self, keys: list[str], token: str, message: str | bytes, *, publish: bool) -> Any:
+        """The settle script with nothing to cache: drop the lock if ``token`` still holds it."""
+        return await self._script(self._settle_script, keys,
+                                  [token, b"", 1, self.channel, message, UNKNOWN_EPOCH, "1" if publish else "0"])
 
     def _fast(self, operation: str) -> _FastStep:
         """``with self._fast(operation) as step``: run a Redis step only when ``step.usable``; on any Redis error
@@ -577,11 +580,10 @@ class RedisFrontedStore(Store):
                 return
             with self._fast("settle") as step:
                 if step.usable:
-                    results = await asyncio.gather(*(self._script(
-                        self._settle_script, self._keys(tenant, key),
-                        [token, b"", 1, self.channel, self.watchers.message(tenant, key), UNKNOWN_EPOCH,
-                         "1" if publish else "0"],
-                    ) for (tenant, key, token), (_, publish) in batch), return_exceptions=True)
+                    results = await asyncio.gather(*(
+                        self._drop_lock(self._keys(tenant, key), token, self.watchers.message(tenant, key),
+                                        publish=publish)
+                        for (tenant, key, token), (_, publish) in batch), return_exceptions=True)
                     for (name, _), result in zip(batch, results, strict=True):
                         if not isinstance(result, BaseException):
                             stale.pop(name, None)
