@@ -251,6 +251,53 @@ async def test_a_record_beyond_the_days_ahead_waits_in_default_then_moves_to_its
         await conn.close()
 
 
+async def waiting_on_locks(conn: Any, count: int) -> None:
+    """Until `count` other sessions of this database wait on a lock (no timing guess about who got where)."""
+    query = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+             "AND wait_event_type = 'Lock'")
+    for _ in range(500):
+        if await conn.fetchval(query) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"fewer than {count} sessions ever waited on a lock")
+
+
+async def test_a_retry_while_its_record_moves_out_of_default_finds_it_and_is_not_forwarded(db: str) -> None:
+    """A record of a TTL beyond the days created ahead waits in DEFAULT until maintenance creates its day and
+    moves it there. A claim planned while the move was under way (a fresh connection: its partition list read
+    before the ATTACH) found the record in neither place and inserted a second one: the retry of a completed
+    request was told to forward (found by audit, 2026-11-27). Maintenance now locks the whole table first, so a
+    claim waits before it lists the partitions. Another session holding the table (a manual ANALYZE) keeps the
+    window open; the test waits until both the maintenance and the retry are queued on locks."""
+    first, second = store_on(db), store_on(db)
+    await first.open()
+    conn, blocker, maintenance = await connect(db), await connect(db), await connect(db)
+    try:
+        far = PARTITION_DAYS_AHEAD + 3
+        claim = await first.claim("t", "pay-1", FP, lease=60, ttl=far * 86400)
+        assert await first.complete(claim, OK, ttl=far * 86400)
+        assert await where(conn, "t", "pay-1") == [DEFAULT_PARTITION]
+        day = (await conn.fetchval("SELECT expires_at FROM idemproxy_records")).astimezone(UTC).date()
+        await second.open()  # another replica, its connections fresh
+        analyze = blocker.transaction()
+        await analyze.start()
+        await blocker.execute("LOCK TABLE idemproxy_records IN SHARE UPDATE EXCLUSIVE MODE")
+        creating = asyncio.ensure_future(create_partition(maintenance, day))
+        await waiting_on_locks(conn, 1)
+        retry = asyncio.ensure_future(second.claim("t", "pay-1", FP, lease=60, ttl=far * 86400))
+        await waiting_on_locks(conn, 2)
+        await analyze.commit()
+        assert await asyncio.wait_for(creating, 10)
+        again = await asyncio.wait_for(retry, 10)
+        assert await where(conn, "t", "pay-1") == [partition(day)], "one record, in its day"
+        assert not again.owned and again.record.response == OK, "the retry of a completed request would be forwarded"
+    finally:
+        for c in (conn, blocker, maintenance):
+            await c.close()
+        await first.close()
+        await second.close()
+
+
 async def test_the_default_partition_is_swept_by_rows(store: PostgresStore, db: str) -> None:
     conn = await connect(db)
     try:

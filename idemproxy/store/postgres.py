@@ -512,15 +512,19 @@ async def create_partition(conn: Any, day: date) -> bool:
     """Create the partition of records expiring on ``day`` (UTC) unless it exists; True when created.
 
     Rows of that day already in the default partition are moved into it first (ATTACH would refuse otherwise).
-    The default partition is locked meanwhile, so no claim can miss a row in transit; it is normally empty."""
+    The whole table is locked meanwhile, before anything else, so no statement can miss a row in transit: locking
+    only the default partition let a claim planned before the ATTACH (its partition list read then) wait on the
+    default partition, read it after the move and find the record in neither place (a second execution). A claim
+    waiting on the table lists the partitions once it has it. The pause is that of the move and the ATTACH's scan
+    of the default partition, normally empty; DROP of a passed day takes the same lock."""
     name = _partition_name(day)
     if await conn.fetchval("SELECT to_regclass($1) IS NOT NULL", name):
         return False
     low, high = _midnight(day), _midnight(day + timedelta(days=1))
     async with conn.transaction():
         await conn.execute(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'")
+        await conn.execute(f"LOCK TABLE {TABLE} IN ACCESS EXCLUSIVE MODE")
         await conn.execute(f"CREATE TABLE {name} (LIKE {TABLE} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)")
-        await conn.execute(f"LOCK TABLE {DEFAULT_PARTITION} IN ACCESS EXCLUSIVE MODE")
         await conn.execute(
             f"WITH moved AS (DELETE FROM {DEFAULT_PARTITION} WHERE expires_at >= $1 AND expires_at < $2 "
             f"RETURNING {_COLUMNS}) INSERT INTO {name} ({_COLUMNS}) SELECT {_COLUMNS} FROM moved", low, high,
