@@ -534,7 +534,10 @@ class Engine:
             with self.tracer.span("idemproxy.settle"):
                 if isinstance(problem, UpstreamAnswerRefused) and problem.original_status:
                     return await self._unrelayable(claim, idem, problem, request.get(REQUEST_ID, ""), due)
-                await self._unknown_outcome(claim, idem, problem_response(problem, request.get(REQUEST_ID, "")), due)
+                refused = await self._unknown_outcome(
+                    claim, idem, problem_response(problem, request.get(REQUEST_ID, "")), due)
+            if refused is not None:  # (store mode) the completion was refused: what the record says now
+                return refused
             raise
         finally:
             ex.upstream_seconds += time.perf_counter() - started

@@ -824,6 +824,27 @@ async def test_a_refused_owner_in_wait_mode_waits_for_the_new_owner_past_settle_
     assert body == new_body
 
 
+@pytest.mark.parametrize("backend", ["redis", "postgres", "embedded"])
+async def test_a_refused_timeout_answer_in_store_mode_gives_what_the_record_says(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    """on_unknown_outcome: store keeps the proxy's own 504; when that completion is refused (the key was taken
+    over or released meanwhile, and a new owner completed it), the client gets what the record says, never its
+    own unstored 504 (guarantee 2). The 504 was re-raised and the record's answer thrown away (audit, 2026-11-27):
+    the client was told the upstream timed out while the record says the payment went through."""
+    proxy = await make_proxy(backend, upstream={"timeout": "1s"}, idempotency={"on_unknown_outcome": "store"})
+    first = asyncio.ensure_future(proxy.post("/v1/charges", key="t-o", body=CHARGE, headers={"X-Test-Delay": "3"}))
+    while upstream.count(key="t-o") == 0:
+        await asyncio.sleep(0.005)
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    assert await proxy.proxy.store.forget(tenant, "t-o")  # released by an operator while it executes
+    new_resp, new_body = await proxy.post("/v1/charges", key="t-o", body=CHARGE)  # a retry executes, completes
+    assert new_resp.status == 201 and new_resp.headers["Idempotent-Replayed"] == "false"
+    resp, body = await first  # its 504 is refused: the record holds the retry's answer
+    assert (resp.status, resp.headers.get("Idempotent-Replayed"), body) == (201, "true", new_body)
+    assert upstream.count(key="t-o") == 2
+
+
 async def test_forward_key_sends_the_key_as_the_proxy_understood_it(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
