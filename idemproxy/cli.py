@@ -86,13 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_FLAGS = {"upstream.url": "upstream", "listen.port": "port", "admin.port": "admin_port", "workers": "workers"}
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    pairs = {
-        "upstream.url": args.upstream,
-        "listen.port": args.port,
-        "admin.port": args.admin_port,
-        "workers": args.workers,
-    }
+    pairs = {key: getattr(args, name) for key, name in _FLAGS.items()}
     return {key: value for key, value in pairs.items() if value is not None}
 
 
@@ -107,7 +105,18 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 
 
 def _load(path: str | None, overrides: dict[str, Any] | None = None) -> Config:
-    return load_config_file(path, overrides=overrides)
+    """The configuration; an error in a value a flag gave names the flag (``--port (listen.port): ...``)."""
+    try:
+        return load_config_file(path, overrides=overrides)
+    except ConfigError as error:
+        raise ConfigError([_by_flag(line, overrides or {}) for line in error.errors]) from None
+
+
+def _by_flag(line: str, overrides: dict[str, Any]) -> str:
+    for key in overrides:
+        if line.startswith(f"{key}:"):
+            return f"--{_FLAGS[key].replace('_', '-')} ({key}){line[len(key):]}"
+    return line
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ import base64
 import binascii
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import secrets
@@ -361,6 +362,9 @@ def normalised_path(path: str) -> str:
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+# Past this a duration is a slip, not a setting: YAML's .nan and .inf, or a number no timer, interval or
+# timestamp can hold (a ttl of 1e15 s would make every claim fail in PostgreSQL, a timeout of nan every forward).
+DURATION_MAX = 100 * 365 * 86400.0
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
 _SIZE_UNITS = {
     None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3,
@@ -390,11 +394,15 @@ def parse_duration(value: Any) -> float:
     if isinstance(value, int | float):
         if value < 0:
             raise _Invalid(f"{value!r} is not a duration (negative)")
-        return float(value)
-    match = _DURATION.match(str(value))
-    if not match:
-        raise _Invalid(f"{value!r} is not a duration (use e.g. 500ms, 30s, 24h)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if not match:
+            raise _Invalid(f"{value!r} is not a duration (use e.g. 500ms, 30s, 24h)")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not math.isfinite(seconds) or seconds > DURATION_MAX:
+        raise _Invalid(f"{value!r} is not a duration (at most 100 years)")
+    return seconds
 
 
 def _positive_duration(value: Any) -> float:
@@ -564,18 +572,28 @@ def _optional_http_url(value: Any) -> str:
 
 
 def _redis_url(value: Any) -> SecretURL:
-    text = _secret_text(value)
-    if urlsplit(text).scheme not in ("redis", "rediss", "unix"):
-        raise _Invalid(f"{SecretURL(text).masked()!r} is not a redis:// URL")
-    return SecretURL(text)
+    return _store_url(value, ("redis", "rediss", "unix"), "a redis:// URL")
 
 
 def _pg_dsn(value: Any) -> SecretURL:
-    text = _secret_text(value)
-    if urlsplit(text).scheme not in ("postgres", "postgresql"):
-        raise _Invalid(f"{SecretURL(text).masked()!r} is not a postgresql:// DSN (the URL form; libpq's "
-                       "key=value form is not read)")
-    return SecretURL(text)
+    return _store_url(value, ("postgres", "postgresql"),
+                      "a postgresql:// DSN (the URL form; libpq's key=value form is not read)")
+
+
+def _store_url(value: Any, schemes: tuple[str, ...], what: str) -> SecretURL:
+    """A store's URL, its hosts and ports checked at start (a port that is not a number or past 65535, a broken
+    IPv6 host), so a slip fails ``check-config`` naming the key rather than ``serve`` or every request later.
+    PostgreSQL's several hosts (``h1:5432,h2:5433``) are checked one by one."""
+    url = SecretURL(_secret_text(value))
+    try:
+        parts = urlsplit(url.reveal())
+        for host in parts.netloc.rpartition("@")[2].split(","):
+            urlsplit(f"//{host}").port  # noqa: B018 (raises ValueError for a bad port)
+    except ValueError:
+        raise _Invalid(f"{url.masked()!r} is not a valid URL (check the host and the port)") from None
+    if parts.scheme not in schemes:
+        raise _Invalid(f"{url.masked()!r} is not {what}")
+    return url
 
 
 STORE_KEY_BYTES = 32  # AES-256
@@ -632,7 +650,7 @@ _IDEMPOTENCY_SPEC: _Spec = {
     "ttl": _positive_duration,
     "lease": parse_duration,
     "in_flight": _choice("reject", "wait"),
-    "wait_timeout": parse_duration,
+    "wait_timeout": _positive_duration,
     "store_5xx": _bool,
     "release_statuses": _list(_status),
     "on_unknown_outcome": _choice("keep_lease", "release", "store"),
@@ -642,7 +660,7 @@ _IDEMPOTENCY_SPEC: _Spec = {
     "strip_replay_headers": _list(_token),
     "max_request_body": parse_size,
     "max_stored_response": parse_size,
-    "settle_timeout": parse_duration,
+    "settle_timeout": _positive_duration,
     "in_flight_status": lambda v: _status_in(v, (409, 425, 202)),
     "mismatch_status": lambda v: _status_in(v, (422, 409, 400)),
 }
@@ -769,7 +787,7 @@ class _Loader:
         if raw is None:
             return result
         if not isinstance(raw, dict):
-            self.error(path, f"{_short(raw)} is not a mapping")
+            self.error(path, _not_a("a mapping", raw))
             return result
         spec = _SPECS[cls]
         changes: dict[str, Any] = {}
@@ -783,6 +801,14 @@ class _Loader:
             if parsed is not _NOTHING:
                 changes["from_" if key == "from" else str(key)] = parsed
         return replace(cast(Any, result), **changes)  # type: ignore[no-any-return]
+
+
+def _not_a(due: str, value: Any) -> str:
+    """A value of the wrong shape where a section or a list is due, by its kind alone: the value itself may be a
+    secret written one level too high (``postgres: postgresql://app:pw@db/app`` for ``postgres: {dsn: ...}``)."""
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            type(None): "empty"}.get(type(value), f"a {type(value).__name__}")
+    return f"{kind}, not {due} (the value is not shown)"
 
 
 def _short(value: Any) -> str:
@@ -803,13 +829,13 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
     if raw is None:
         return ()
     if not isinstance(raw, list):
-        loader.error("routes", f"{_short(raw)} is not a list")
+        loader.error("routes", _not_a("a list", raw))
         return ()
     routes = []
     for index, item in enumerate(raw):
         path = f"routes[{index}]"
         if not isinstance(item, dict):
-            loader.error(path, f"{_short(item)} is not a mapping")
+            loader.error(path, _not_a("a mapping", item))
             continue
         overrides = dict(item)
         prefix = overrides.pop("prefix", None)
@@ -838,7 +864,7 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
     if raw is None:
         return StorageConfig()
     if not isinstance(raw, dict):
-        loader.error("storage", f"{_short(raw)} is not a mapping")
+        loader.error("storage", _not_a("a mapping", raw))
         return StorageConfig()
     known = ("embedded", "redis", "postgres", "on_store_error", "pending_settles", "compression", "encryption",
              "replay_memory")
@@ -974,7 +1000,7 @@ def load_config(
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError([f"<root>: {_short(raw)} is not a mapping"])
+        raise ConfigError([f"<root>: {_not_a('a mapping', raw)}"])
     raw = loader.substitute("", _apply_overrides(raw, overrides or {}))
     for key in raw:
         if key not in _TOP_LEVEL:

@@ -305,6 +305,21 @@ def test_a_usage_error_is_one_line(args: tuple[str, ...], expected: str) -> None
     assert "--help" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--port", "99999"), "idemproxy: invalid configuration: --port (listen.port): 99999 is out of range"),
+        (("--upstream", "notaurl"),
+         "idemproxy: invalid configuration: --upstream (upstream.url): 'notaurl' is not an http(s) URL"),
+        (("--workers", "0"), "idemproxy: invalid configuration: --workers (workers): 0 is out of range"),
+    ],
+)
+def test_a_bad_flag_value_is_named_by_its_flag(args: tuple[str, ...], expected: str) -> None:
+    result = run_cli("serve", "--upstream", "http://127.0.0.1:1", *args)
+    assert result.returncode == 1 and result.stderr.startswith(expected), result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
 def test_version_is_printed() -> None:
     from idemproxy import __version__
 

@@ -120,6 +120,17 @@ def test_sizes(text: Any, size: int) -> None:
         ({"upstream": UP, "routes": [{"prefix": "/a", "ttl": 0}]}, "routes[0].ttl: 0 is not a duration above zero"),
         ({"upstream": UP, "routes": [{"prefix": "/a", "upstream": {**UP, "timeout": "0s"}}]},
          "routes[0].upstream.timeout: '0s' is not a duration above zero"),
+        ({"upstream": UP, "idempotency": {"settle_timeout": 0}},
+         "idempotency.settle_timeout: 0 is not a duration above zero"),
+        ({"upstream": UP, "routes": [{"prefix": "/a", "wait_timeout": "0s"}]},
+         "routes[0].wait_timeout: '0s' is not a duration above zero"),
+        # YAML's .nan and .inf are numbers: nan passed every comparison, so `timeout: .nan` made every forward a
+        # 500 after the upstream executed, and a ttl no timestamp can hold failed every claim
+        ({"upstream": {**UP, "timeout": float("nan")}}, "upstream.timeout: nan is not a duration"),
+        ({"upstream": UP, "idempotency": {"lease": float("inf")}}, "idempotency.lease: inf is not a duration"),
+        ({"upstream": UP, "idempotency": {"ttl": "99999999999d"}},
+         "idempotency.ttl: '99999999999d' is not a duration (at most 100 years)"),
+        ({"upstream": UP, "drain_delay": float("nan")}, "drain_delay: nan is not a duration"),
         ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d", "migrate": True}}},
          "storage.postgres.migrate: True is not one of auto, off"),
         ({"upstream": UP, "storage": {"pending_settles": {"max_count": 0}}},
@@ -376,6 +387,16 @@ async def test_a_token_in_an_upstream_or_collector_url_is_masked_in_check_config
         ({"upstream": {"url": "${UNSET_UPSTREAM}"}}, "upstream.url: environment variable UNSET_UPSTREAM is not set"),
         ({"upstream": {"url": "ftp://api:1"}}, "upstream.url: 'ftp://api:1' is not an http(s) URL with a host"),
         ({"upstream": {"url": "http://u:pw#SECRET@api:1"}}, "upstream.url: 'http://u:***@api:1' is not a valid URL"),
+        # the stores' URLs as well (they passed check-config, then `serve` died with "unexpected ValueError")
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://app:pw-SECRET@[::1:5432/idem"}}},
+         "storage.postgres.dsn: 'postgresql://app:***@[::1:5432/idem' is not a valid URL"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://app:pw-SECRET@db:abc/idem"}}},
+         "storage.postgres.dsn: 'postgresql://app:***@db:abc/idem' is not a valid URL"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://app@db1:5432,db2:99999/idem"}}},
+         "storage.postgres.dsn: 'postgresql://app@db1:5432,db2:99999/idem' is not a valid URL"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
+                                      "redis": {"url": "redis://:pw-SECRET@cache:99999/0"}}},
+         "storage.redis.url: 'redis://:***@cache:99999/0' is not a valid URL"),
     ],
 )
 def test_a_bad_url_is_one_error_naming_the_key_and_no_secret(raw: dict[str, Any], expected: str) -> None:
@@ -384,6 +405,33 @@ def test_a_bad_url_is_one_error_naming_the_key_and_no_secret(raw: dict[str, Any]
     errors = errors_of(raw)
     assert len(errors) == 1 and errors[0].startswith(expected), errors
     assert "SECRET" not in errors[0]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"upstream": UP, "storage": {"postgres": "postgresql://app:pw-SECRET@db/app"}},
+        {"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"}, "redis": "redis://:pw-SECRET@c:6379"}},
+        {"upstream": UP, "storage": {"encryption": "pw-SECRET"}},
+        {"upstream": UP, "storage": "postgresql://app:pw-SECRET@db/app"},
+        {"upstream": "http://u@api:1", "admin": "pw-SECRET"},
+        {"upstream": UP, "routes": "pw-SECRET"},
+        {"upstream": UP, "routes": ["pw-SECRET"]},
+        "postgresql://app:pw-SECRET@db/app",
+    ],
+)
+def test_a_value_where_a_section_is_due_is_refused_by_its_kind_never_shown(raw: Any) -> None:
+    """A secret written one level too high (the DSN where `postgres: {dsn: ...}` is due) was echoed whole in the
+    "is not a mapping" error, by check-config and at start (audit, 2026-11-27)."""
+    errors = errors_of(raw)
+    assert errors and all("SECRET" not in error for error in errors), errors
+    assert any("a string, not a" in error for error in errors), errors
+
+
+def test_several_postgresql_hosts_in_one_dsn_are_accepted() -> None:
+    config = load_config({"upstream": UP, "storage": {"postgres": {
+        "dsn": "postgresql://app:pw@db1:5432,db2,[::1]:5433/idem?target_session_attrs=read-write"}}})
+    assert config.storage.postgres is not None
 
 
 @pytest.mark.parametrize(
