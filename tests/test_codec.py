@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,17 @@ from idemproxy.config import CompressionConfig, EncryptionConfig, Secret, load_c
 from idemproxy.metrics import Metrics
 from idemproxy.problems import RecordUnreadable
 from idemproxy.store import State, Store, StoredResponse, build_store
-from idemproxy.store.codec import COMPRESSED, FRAMED, MAGIC, SEALED, Codec, headers_json, json_encoder, key_id
+from idemproxy.store.codec import (
+    COMPRESSED,
+    FRAMED,
+    MAGIC,
+    OUTCOME_BOUND,
+    SEALED,
+    Codec,
+    headers_json,
+    json_encoder,
+    key_id,
+)
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import BACKENDS, ProxyFactory, StorageFactory
 from tests.upstream import RecordingUpstream
@@ -79,7 +89,8 @@ def unreadable_count(metrics: Metrics, backend: str) -> float:
     return value
 
 
-@pytest.mark.parametrize("damage", ["tamper", "other_key", "other_tenant", "unknown_key", "flags", "unknown_flags"])
+@pytest.mark.parametrize("damage", ["tamper", "other_key", "other_tenant", "unknown_key", "flags", "unknown_flags",
+                                    "unsealed_flags"])
 def test_a_sealed_value_that_does_not_open_is_refused_logged_and_counted(
     damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -96,15 +107,35 @@ def test_a_sealed_value_that_does_not_open_is_refused_logged_and_counted(
     elif damage == "unknown_key":
         reader = codec(KEY_B, metrics=metrics)
     elif damage == "unknown_flags":  # refused before it is opened, and the log still names the key it names
-        frame = frame[:len(MAGIC)] + bytes([frame[len(MAGIC)] | 0x04]) + frame[len(MAGIC) + 1:]
-    else:
+        frame = frame[:len(MAGIC)] + bytes([frame[len(MAGIC)] | 0x08]) + frame[len(MAGIC) + 1:]
+    elif damage == "flags":
         frame = frame[:len(MAGIC)] + bytes([SEALED | COMPRESSED]) + frame[len(MAGIC) + 1:]
+    else:  # read as a value in clear, its key id still where a seal keeps it (the log said "key id -")
+        frame = frame[:len(MAGIC)] + bytes([0]) + frame[len(MAGIC) + 1:]
     with caplog.at_level(logging.ERROR, "idemproxy.store.codec"), pytest.raises(RecordUnreadable) as refused:
         reader.unpack(tenant, key, frame, backend="embedded")
     assert refused.value.status == 503 and refused.value.code == "store_unavailable"
     assert unreadable_count(metrics, "embedded") == 1
     assert key_id(base64.b64decode(KEY_A)).hex() in caplog.text
     assert "tok_live" not in caplog.text and CARD_HEADER not in caplog.text and "Jane" not in caplog.text
+
+
+def test_a_bound_frame_opens_only_beside_the_status_and_body_flag_it_was_sealed_with() -> None:
+    """The status and the body-kept flag are stored beside the frame (a column, the Redis copy's header), in
+    clear; a sealed frame is bound to them, so rewriting them is tampering. Its flag is in the associated data
+    too: clearing it does not unbind the frame. Frames of earlier versions (no binding) still open."""
+    c = codec(KEY_A)
+    bound = c.pack("t", "k", CARD.headers, CARD_BODY, (402, True))
+    assert bound[len(MAGIC)] == SEALED | OUTCOME_BOUND
+    assert c.unpack("t", "k", bound, backend="postgres", outcome=(402, True)) == (CARD.headers, CARD_BODY)
+    unbound = bound[:len(MAGIC)] + bytes([SEALED]) + bound[len(MAGIC) + 1:]
+    for frame, outcome in [(bound, (200, True)), (bound, (402, False)), (bound, None), (unbound, (402, True))]:
+        with pytest.raises(RecordUnreadable):
+            c.unpack("t", "k", frame, backend="postgres", outcome=outcome)
+    earlier = c.pack("t", "k", CARD.headers, CARD_BODY)  # as written before the binding
+    assert earlier[len(MAGIC)] == SEALED
+    assert c.unpack("t", "k", earlier, backend="postgres", outcome=(201, True)) == (CARD.headers, CARD_BODY)
+    assert codec(compress=True).pack("t", "k", (), CARD_BODY * 50, (201, True))[len(MAGIC)] == COMPRESSED
 
 
 def test_previous_keys_open_what_they_sealed_and_the_primary_seals() -> None:
@@ -276,19 +307,27 @@ async def update_one_row(backend: str, section: dict[str, Any], update: str) -> 
         await conn.close()
 
 
+def edit_redis_head(section: dict[str, Any], store: RedisFrontedStore, key: str,
+                    edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change the clear-text head of (t, key)'s Redis copy, its frame untouched, behind the proxy's back."""
+    client = sync_redis.Redis.from_url(section["redis"]["url"])
+    try:
+        name = store._keys("t", key)[1]
+        value = client.get(name)
+        assert isinstance(value, bytes)
+        raw_head, _, frame = value.partition(b"\n")
+        head = json.loads(raw_head)
+        edit(head)
+        client.set(name, json.dumps(head).encode() + b"\n" + frame, px=600_000)
+    finally:
+        client.close()
+
+
 async def relabel_as_clear(backend: str, section: dict[str, Any], store: Store, key: str) -> None:
     """What someone with write access to the store could do: mark a sealed record as one written in clear, so
     that its sealed bytes would be read as the body (and replayed, unopened)."""
     if isinstance(store, RedisFrontedStore):
-        client = sync_redis.Redis.from_url(section["redis"]["url"])
-        try:
-            name = store._keys("t", key)[1]
-            value = client.get(name)
-            assert isinstance(value, bytes)
-            head, _, frame = value.partition(b"\n")
-            client.set(name, head[:-1] + b',"h":[]}\n' + frame, px=600_000)
-        finally:
-            client.close()
+        edit_redis_head(section, store, key, lambda head: head.update(h=[]))
         return
     await update_one_row(backend, section, f"UPDATE {{table}} SET headers = '[]' WHERE tenant = 't' AND key = '{key}'")
 
@@ -313,6 +352,37 @@ async def test_a_sealed_value_relabelled_as_clear_is_refused_not_replayed(
         looks_sealed = StoredResponse(status=200, headers=(), body=MAGIC + b"\x02not a frame of ours")
         await completed(store, "clear", looks_sealed)
         assert await replayed(store, "clear") == looks_sealed
+
+
+async def rewrite_outcome(backend: str, section: dict[str, Any], store: Store, key: str, field: str) -> None:
+    """What someone with write access to the store could do: make a declined charge's 402 a 200 beside its sealed
+    value, or say a body was kept that was not (and the other way round)."""
+    if isinstance(store, RedisFrontedStore):
+        edit_redis_head(section, store, key, lambda head: head.update(s=200) if field == "status"
+                        else head.update(b=not head["b"]))
+        return
+    change = "status = 200" if field == "status" else "body_stored = NOT body_stored"
+    await update_one_row(backend, section, f"UPDATE {{table}} SET {change} WHERE tenant = 't' AND key = '{key}'")
+
+
+@pytest.mark.parametrize("field", ["status", "body_kept"])
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_status_or_body_flag_rewritten_beside_a_sealed_value_is_refused(
+    backend: str, field: str, storage: StorageFactory
+) -> None:
+    """A record's status sat outside the seal: a 402 decline rewritten to 200 in the store was replayed as 200
+    with the genuine sealed body (audit, 2026-11-27). A sealed value is now bound to both."""
+    section = with_codec(storage(backend), KEY_A)
+    declined = StoredResponse(status=402, headers=(("Content-Type", "application/json"),),
+                              body=b'{"error": "card_declined"}')
+    metrics = Metrics()
+    async with opened(section, metrics) as store:
+        await completed(store, "declined", declined)
+        assert await replayed(store, "declined") == declined
+        await rewrite_outcome(backend, section, store, "declined", field)
+        with pytest.raises(RecordUnreadable):
+            await store.claim("t", "declined", FP, lease=30, ttl=600)
+    assert unreadable_count(metrics, backend) == 1
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -467,7 +537,7 @@ async def test_a_response_too_large_to_store_keeps_its_status_and_headers_when_s
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(flags=st.integers(0, 3), rest=st.binary(max_size=300), tamper=st.booleans())
+@given(flags=st.integers(0, 15), rest=st.binary(max_size=300), tamper=st.booleans())
 def test_arbitrary_stored_bytes_either_open_or_are_refused_never_crash(flags: int, rest: bytes, tamper: bool) -> None:
     """Whatever someone writes into the store, reading it is a replay or a 503, never a 500."""
     c = codec(KEY_A, compress=True)

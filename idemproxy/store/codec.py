@@ -45,6 +45,9 @@ log = logging.getLogger("idemproxy.store.codec")
 MAGIC = b"IDP1"
 COMPRESSED = 0x01
 SEALED = 0x02
+# Sealed, and bound to what the record keeps beside the frame: the status and whether the body was kept (so a
+# declined charge's 402 rewritten to 200 in the store does not open). Older versions refuse such a frame (503).
+OUTCOME_BOUND = 0x04
 KEY_ID_BYTES = 8
 TAG_BYTES = 16  # AES-GCM's authentication tag, at the end of a sealed frame
 NONCE_BYTES = 12  # 96-bit random nonces: collision odds stay negligible far past any record count we store
@@ -53,6 +56,10 @@ FRAMED = "@frame"  # the headers column of a record whose headers and body are o
 HEADERS_MARGIN = 256 * 1024
 MAX_WINDOW = 8 * 1024 * 1024  # zstd window a frame may ask for (ours use at most 2 MiB at level <= 19 here)
 _LENGTH = struct.Struct(">I")
+_OUTCOME = struct.Struct(">I?")
+UNKNOWN_STATUS = 0xFFFFFFFF  # a reader that does not know the status: never authenticates a bound frame
+
+Outcome = tuple[int, bool]  # (status, body kept) of a completed record
 
 Headers = tuple[tuple[str, str], ...]
 
@@ -104,10 +111,15 @@ def parse_headers(text: str | bytes | None) -> Headers:
     return tuple((str(k), str(v)) for k, v in json.loads(text or "[]"))
 
 
-def _associated(tenant: str, key: str, prefix: bytes) -> bytes:
-    """What a sealed frame is bound to: its record (length-prefixed, so no two (tenant, key) pairs collide)."""
+def _associated(tenant: str, key: str, prefix: bytes, outcome: Outcome | None) -> bytes:
+    """What a sealed frame is bound to: its record (length-prefixed, so no two (tenant, key) pairs collide) and,
+    with OUTCOME_BOUND, the status and body-kept flag stored beside it."""
     t, k = (part.encode("utf-8", "surrogateescape") for part in (tenant, key))
-    return prefix + _LENGTH.pack(len(t)) + t + _LENGTH.pack(len(k)) + k
+    bound = prefix + _LENGTH.pack(len(t)) + t + _LENGTH.pack(len(k)) + k
+    if prefix[len(MAGIC)] & OUTCOME_BOUND:
+        status, kept = outcome if outcome is not None else (UNKNOWN_STATUS, False)
+        bound += _OUTCOME.pack(status if 0 <= status < UNKNOWN_STATUS else UNKNOWN_STATUS, kept)
+    return bound
 
 
 def record_hash(tenant: str, key: str) -> str:
@@ -174,8 +186,9 @@ class Codec:
 
     # ------------------------------------------------------------------ frames
 
-    def pack(self, tenant: str, key: str, headers: Headers, body: bytes) -> bytes:
-        """One frame holding ``headers`` and ``body``, compressed and sealed as configured."""
+    def pack(self, tenant: str, key: str, headers: Headers, body: bytes, outcome: Outcome | None = None) -> bytes:
+        """One frame holding ``headers`` and ``body``, compressed and sealed as configured; a sealed frame is
+        bound to ``outcome`` (the status and body-kept flag stored beside it) when given."""
         head = headers_json(headers).encode()
         payload = _LENGTH.pack(len(head)) + head + body
         flags = 0
@@ -186,28 +199,33 @@ class Codec:
             flags |= COMPRESSED
         if self._sealing is None:
             return MAGIC + bytes([flags]) + payload
-        flags |= SEALED
+        flags |= SEALED | (OUTCOME_BOUND if outcome is not None else 0)
         kid, cipher = self._sealing
         nonce = os.urandom(NONCE_BYTES)
         prefix = MAGIC + bytes([flags]) + kid
-        return prefix + nonce + cipher.encrypt(nonce, payload, _associated(tenant, key, prefix))
+        return prefix + nonce + cipher.encrypt(nonce, payload, _associated(tenant, key, prefix, outcome))
 
-    def unpack(self, tenant: str, key: str, frame: bytes, *, backend: str) -> tuple[Headers, bytes]:
-        """The headers and body a frame holds, or :class:`RecordUnreadable` (logged and counted)."""
+    def unpack(self, tenant: str, key: str, frame: bytes, *, backend: str, outcome: Outcome | None = None
+               ) -> tuple[Headers, bytes]:
+        """The headers and body a frame holds, or :class:`RecordUnreadable` (logged and counted). ``outcome``:
+        what the record says beside the frame, which a bound frame must have been sealed with."""
         try:
-            return self._unpack(tenant, key, frame)
+            return self._unpack(tenant, key, frame, outcome)
         except Unreadable as exc:
+            if exc.key_id is None:  # its flags altered: a configured key's id may still stand where a seal keeps it
+                named = frame[len(MAGIC) + 1:len(MAGIC) + 1 + KEY_ID_BYTES]
+                exc.key_id = named if named in self._keys else None
             raise self._unreadable(tenant, key, backend, exc) from None
 
-    def _unpack(self, tenant: str, key: str, frame: bytes) -> tuple[Headers, bytes]:
+    def _unpack(self, tenant: str, key: str, frame: bytes, outcome: Outcome | None) -> tuple[Headers, bytes]:
         if len(frame) < len(MAGIC) + 1 or not frame.startswith(MAGIC):
             raise Unreadable("not a frame")
         flags = frame[len(MAGIC)]
-        if flags & ~(COMPRESSED | SEALED):
+        if flags & ~(COMPRESSED | SEALED | OUTCOME_BOUND) or (flags & OUTCOME_BOUND and not flags & SEALED):
             raise Unreadable(f"unknown flags {flags:#x}", _named_key(frame))
         payload = frame[len(MAGIC) + 1:]
         if flags & SEALED:
-            payload = self._open(tenant, key, frame)
+            payload = self._open(tenant, key, frame, outcome)
         if flags & COMPRESSED:
             payload = self._decompress(payload)
         if len(payload) < _LENGTH.size:
@@ -220,7 +238,7 @@ class Codec:
             raise Unreadable(f"headers not readable ({type(exc).__name__})") from None
         return headers, payload[head_end:]
 
-    def _open(self, tenant: str, key: str, frame: bytes) -> bytes:
+    def _open(self, tenant: str, key: str, frame: bytes, outcome: Outcome | None) -> bytes:
         split = len(MAGIC) + 1 + KEY_ID_BYTES
         kid = frame[len(MAGIC) + 1:split]
         cipher = self._keys.get(kid)
@@ -228,7 +246,7 @@ class Codec:
             raise Unreadable("sealed with a key that is not configured", kid)
         nonce, sealed = frame[split:split + NONCE_BYTES], frame[split + NONCE_BYTES:]
         try:
-            return cipher.decrypt(nonce, sealed, _associated(tenant, key, frame[:split]))
+            return cipher.decrypt(nonce, sealed, _associated(tenant, key, frame[:split], outcome))
         except (InvalidTag, ValueError):
             raise Unreadable("does not authenticate (tampered, or copied from another record)", kid) from None
 
@@ -256,18 +274,22 @@ class Codec:
 
     # ------------------------------------------------------------------ two-column backends
 
-    def to_columns(self, tenant: str, key: str, headers: Headers, body: bytes | None) -> tuple[str, bytes]:
-        """The (headers text, body bytes) columns of PostgreSQL and SQLite for a completed response."""
+    def to_columns(self, tenant: str, key: str, headers: Headers, body: bytes | None, status: int | None = None
+                   ) -> tuple[str, bytes]:
+        """The (headers text, body bytes) columns of PostgreSQL and SQLite for a completed response (``body``
+        None: not kept); a sealed frame is bound to ``status`` and that, when the status is given."""
         if not self.framing:
             return headers_json(headers), body or b""
-        return FRAMED, self.pack(tenant, key, headers, body or b"")
+        outcome = None if status is None else (status, body is not None)
+        return FRAMED, self.pack(tenant, key, headers, body or b"", outcome)
 
     def from_columns(
-        self, tenant: str, key: str, headers: str | None, body: bytes | None, *, backend: str
+        self, tenant: str, key: str, headers: str | None, body: bytes | None, *, backend: str,
+        outcome: Outcome | None = None,
     ) -> tuple[Headers, bytes]:
         """Read back what :meth:`to_columns` wrote, in any format ever written (old rows hold JSON text)."""
         if headers == FRAMED:
-            return self.unpack(tenant, key, bytes(body or b""), backend=backend)
+            return self.unpack(tenant, key, bytes(body or b""), backend=backend, outcome=outcome)
         return parse_headers(headers), self.plain_body(tenant, key, bytes(body or b""), backend=backend)
 
     def plain_body(self, tenant: str, key: str, body: bytes, *, backend: str) -> bytes:

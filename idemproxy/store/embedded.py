@@ -57,7 +57,8 @@ def _record(row: sqlite3.Row, codec: Codec | None) -> Record:
     response = None
     if row["status"] is not None and codec is not None:
         headers, body = codec.from_columns(row["tenant"], row["key"], row["headers"], row["body"],
-                                           backend=EmbeddedStore.backend)
+                                           backend=EmbeddedStore.backend,
+                                           outcome=(row["status"], bool(row["body_stored"])))
         response = StoredResponse(status=row["status"], headers=headers, body=body if row["body_stored"] else None)
     return Record(
         tenant=row["tenant"], key=row["key"], fingerprint=row["fingerprint"],
@@ -286,7 +287,8 @@ class EmbeddedStore(Store):
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         record = claim.record
-        headers, body = self.codec.to_columns(record.tenant, record.key, response.headers, response.body)
+        headers, body = self.codec.to_columns(record.tenant, record.key, response.headers, response.body,
+                                              response.status)
 
         def complete(db: sqlite3.Connection) -> bool:
             now = self._now()

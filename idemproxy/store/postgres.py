@@ -447,7 +447,8 @@ def _record(row: Any, codec: Codec) -> Record:
     response = None
     if row["status"] is not None:
         headers, body = codec.from_columns(row["tenant"], row["key"], row["headers"], row["body"],
-                                           backend=PostgresStore.backend)
+                                           backend=PostgresStore.backend,
+                                           outcome=(row["status"], bool(row["body_stored"])))
         response = StoredResponse(status=row["status"], headers=headers, body=body if row["body_stored"] else None)
     return Record(
         tenant=row["tenant"],
@@ -1120,7 +1121,7 @@ class PostgresStore(Store):
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         tenant, key, token = claim.record.tenant, claim.record.key, claim.token
-        headers, body = self.codec.to_columns(tenant, key, response.headers, response.body)
+        headers, body = self.codec.to_columns(tenant, key, response.headers, response.body, response.status)
         where = (datetime.fromtimestamp(claim.record.expires_at, UTC),) if self.layout == "daily" else ()
         if self.batching:
             async with self.measured("complete"):

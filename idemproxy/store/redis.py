@@ -209,7 +209,8 @@ def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
         head["h"] = response.headers
         tail = response.body or b""
     else:
-        tail = codec.pack(record.tenant, record.key, response.headers, response.body or b"")
+        tail = codec.pack(record.tenant, record.key, response.headers, response.body or b"",
+                          (response.status, response.body is not None))
     return _compact_json(head).encode() + b"\n" + tail
 
 
@@ -220,7 +221,8 @@ def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Reco
         headers = tuple((str(k), str(v)) for k, v in head["h"])
         body = codec.plain_body(tenant, key, body, backend=RedisFrontedStore.backend)
     else:
-        headers, body = codec.unpack(tenant, key, body, backend=RedisFrontedStore.backend)
+        headers, body = codec.unpack(tenant, key, body, backend=RedisFrontedStore.backend,
+                                     outcome=(head["s"], bool(head["b"])))
     response = StoredResponse(status=head["s"], headers=headers, body=body if head["b"] else None)
     return Record(
         tenant=tenant, key=key, fingerprint=head["f"], state=State.COMPLETED, lease_token=None,
