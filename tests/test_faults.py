@@ -26,7 +26,7 @@ from idemproxy.config import PostgresConfig, SecretURL
 from idemproxy.problems import StoreUnavailable
 from idemproxy.store.embedded import EmbeddedStore
 from idemproxy.store.postgres import PostgresStore
-from idemproxy.store.redis import RedisFrontedStore
+from idemproxy.store.redis import LOCK_MAX, YOUNG_LOCK, RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, _admin_sql
 from tests.relay import Relay
 from tests.servers import PostgresServer, RedisServer
@@ -334,6 +334,16 @@ async def test_round_trips_of_a_duplicate_in_flight(
     first = asyncio.ensure_future(proxy.post("/v1/charges", key="dup", body=CHARGE, headers={"X-Test-Delay": "1.5"}))
     while upstream.count(key="dup") == 0:
         await asyncio.sleep(0.005)
+    # A lock younger than YOUNG_LOCK sends its duplicates to PostgreSQL (its claim may not be decided yet); this
+    # one's owner is upstream, and once the lock is older Redis alone answers.
+    store = proxy.proxy.store
+    assert isinstance(store, RedisFrontedStore)
+    lock = store._keys(proxy.proxy.engine.resolve_tenant_value("Bearer t1"), "dup")[0]
+    client = sync_redis.Redis.from_url(running_redis.url)
+    try:
+        await until(lambda: 0 < client.pttl(lock) < (LOCK_MAX - YOUNG_LOCK) * 1000)
+    finally:
+        client.close()
     redis_before, pg_before = redis_round_trips(running_redis), durable(proxy).statements
     resp, _ = await proxy.post("/v1/charges", key="dup", body=CHARGE)
     assert resp.status == 409

@@ -9,13 +9,14 @@ from dataclasses import replace
 from urllib.parse import urlsplit
 
 import aiohttp
+import asyncpg
 import pytest
 import redis as sync_redis
 from aiohttp.test_utils import TestServer
 
 from idemproxy.store import redis as redis_store
 from idemproxy.store.base import State, StoredResponse
-from idemproxy.store.redis import BREAKER_COOLDOWN, RedisFrontedStore, _encode
+from idemproxy.store.redis import BREAKER_COOLDOWN, LOCK_MAX, YOUNG_LOCK, RedisFrontedStore, _encode
 from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
 from tests.servers import RedisServer
@@ -104,6 +105,76 @@ async def test_wait_mode_when_redis_lost_the_owners_lock_does_not_spin(
     # one claim that found the owner in PostgreSQL, the owner's completion, and the waiter's look after it
     assert durable(proxy).statements - before <= 5, durable(proxy).statements - before
     assert upstream.count(key="spin") == 1
+
+
+def redis_claims_timed(proxy: RunningProxy) -> int:
+    """How many Redis claim steps this proxy has finished (its own histogram's count)."""
+    for metric in proxy.proxy.metrics.store_duration.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count") and sample.labels == {"backend": "redis", "operation": "claim"}:
+                return int(sample.value)
+    return 0
+
+
+@pytest.mark.parametrize("in_flight", ["reject", "wait"])
+async def test_a_burst_of_retries_of_a_key_whose_copy_expired_all_get_the_replay(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    in_flight: str,
+) -> None:
+    """The Redis copy of a completed record is gone (replay_cache_ttl, 1 h by default, is shorter than ttl; or
+    Redis restarted). The first of a burst of identical retries takes the Redis lock and asks PostgreSQL, which
+    says "completed"; the others met that lock and Redis alone answered them 409, or, waiting, they slept out
+    wait_timeout (audit, 2026-11-27: 9 of 10 got 409). A lock that young now sends its duplicates to PostgreSQL."""
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix),
+                             idempotency={"in_flight": in_flight, "wait_timeout": "5s"})
+    _, first_body = await proxy.post("/v1/charges", key="old", body=CHARGE)
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        assert client.delete(redis_keys(proxy, "old")[1]) == 1  # the copy expired; PostgreSQL holds the record
+    finally:
+        client.close()
+    proxy.proxy.engine.replays.invalidate(None, None)  # nor does this process remember it
+    started = time.monotonic()
+    answers = await asyncio.gather(*(proxy.post("/v1/charges", key="old", body=CHARGE) for _ in range(10)))
+    took = time.monotonic() - started
+    assert [(resp.status, resp.headers.get("Idempotent-Replayed")) for resp, _ in answers] == [(201, "true")] * 10
+    assert all(body == first_body for _, body in answers) and upstream.count(key="old") == 1
+    assert took < 2.5, took  # nobody waited out wait_timeout
+
+
+async def test_a_waiter_that_met_a_repairing_claims_lock_is_woken_by_the_repair(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    """When PostgreSQL is slow to answer the claim that took the lock (past YOUNG_LOCK), a waiting duplicate
+    takes that lock for an owner's; once PostgreSQL says "completed" the repair refills the copy and announces
+    it, so the waiter gets the replay at once instead of after wait_timeout."""
+    proxy = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix),
+                             idempotency={"in_flight": "wait", "wait_timeout": "20s"})
+    _, first_body = await proxy.post("/v1/charges", key="slow", body=CHARGE)
+    lock, copy, _ = redis_keys(proxy, "slow")
+    client = sync_redis.Redis.from_url(redis_url)
+    holder = await asyncpg.connect(clean_pg)
+    try:
+        assert client.delete(copy) == 1
+        proxy.proxy.engine.replays.invalidate(None, None)
+        tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+        hold = holder.transaction()
+        await hold.start()  # the key's advisory lock, which every claim of it takes first: PostgreSQL is "slow"
+        await holder.execute("SELECT pg_advisory_xact_lock(hashtextextended($1 || chr(31) || $2, 0))", tenant, "slow")
+        repairing = asyncio.ensure_future(proxy.post("/v1/charges", key="slow", body=CHARGE))
+        await until(lambda: (client.pttl(lock) or 0) > 0 and client.pttl(lock) < (LOCK_MAX - YOUNG_LOCK) * 1000)
+        claims = redis_claims_timed(proxy)
+        waiter = asyncio.ensure_future(proxy.post("/v1/charges", key="slow", body=CHARGE))
+        await until(lambda: redis_claims_timed(proxy) > claims)  # it met the lock, no longer young: it waits
+        started = time.monotonic()
+        await hold.rollback()
+        (repaired, repaired_body), (woken, woken_body) = await repairing, await waiter
+        assert time.monotonic() - started < 5, "the waiter slept on: the repair did not announce the record"
+    finally:
+        await holder.close()
+        client.close()
+    assert (repaired.status, woken.status) == (201, 201) and repaired_body == woken_body == first_body
+    assert woken.headers["Idempotent-Replayed"] == "true" and upstream.count(key="slow") == 1
 
 
 @pytest.fixture

@@ -61,6 +61,11 @@ POOL_SIZE = 256  # connections to Redis; past it a request waits up to SOCKET_TI
 # failed (Redis errored at that moment, and the background drop could not reach it either) answers 409 for
 # seconds, not for a whole lease. Past it, duplicates of a long request ask PostgreSQL, which still decides.
 LOCK_MAX = 10.0
+# A lock younger than this may be one a claim took a moment ago and is still waiting on PostgreSQL for: for a key
+# whose Redis copy has expired (after replay_cache_ttl, or a Redis restart) PostgreSQL then says "completed", and
+# its duplicates answered 409 from that lock meanwhile. So a duplicate meeting a lock this young asks PostgreSQL
+# (a double submit pays a statement); an older lock is an owner PostgreSQL confirmed, and answers 409 alone.
+YOUNG_LOCK = 0.25
 BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
 # Locks a settle could not drop (Redis failed, or was skipped, just then) are dropped again in the background,
 # every STALE_LOCK_RETRY seconds until Redis answers or LOCK_MAX has passed (the lock has expired by then): a lock
@@ -146,7 +151,8 @@ _ScriptCall = tuple[Any, list[str], list[Any]]  # a registered script, its keys,
 @quick_init
 @dataclass(frozen=True)
 class _Fast:
-    kind: str  # completed | in_flight | acquired | foreign (a lock with another fingerprint: ask the durable store)
+    kind: str  # completed | in_flight | acquired; or, to ask the durable store: foreign (a lock with another
+    # fingerprint), young (a lock whose claim may not be decided yet)
     record: Record | None = None
     epoch: str = UNKNOWN_EPOCH
     now: float | None = None  # with a record: now, on the clock its times were written by
@@ -493,6 +499,8 @@ class RedisFrontedStore(Store):
                 # min(lease, LOCK_MAX) from the claim, so the lease has what the lock has left plus the rest of
                 # the route's lease past LOCK_MAX (the same route, the same lease).
                 lock_left = max(int(reply[2]), 0) / 1000
+                if min(lease, LOCK_MAX) - lock_left < YOUNG_LOCK:  # its claim may not be decided yet
+                    return _Fast("young", epoch=reply[3].decode())
                 lease_left = lock_left + max(lease - LOCK_MAX, 0.0)
                 lease_end = int(deadline[0]) / 1000 if deadline else time.time() + lock_left
                 now = lease_end - lease_left if deadline else lease_end - lock_left
@@ -531,13 +539,16 @@ class RedisFrontedStore(Store):
 
     async def _repair(self, tenant: str, key: str, token: str, epoch: str, claim: Claim, locked: bool) -> None:
         """Redis had lost what the durable store knows (restart, eviction, expired cache): refill the replay
-        cache for a completed record, and drop a lock we took for an owner Redis had forgotten. No publish:
-        nothing changed, and a wake-up here would make a waiter spin. (The lock is not handed to the owner:
-        our read may already be stale, and a stale hand-over would answer 409 after the owner settled.)"""
+        cache for a completed record, and drop a lock we took for an owner Redis had forgotten. A completed
+        record is announced (when routes wait): a waiter that met our lock while we asked would otherwise sleep
+        out its whole wait for an owner that does not exist; woken, it finds the copy. A lock dropped for an
+        in-flight owner is not: nothing changed, and a wake-up would make a waiter spin. (The lock is not handed
+        to the owner: our read may already be stale, and a stale hand-over would answer 409 after it settled.)"""
         record = claim.record
         if record.state is State.COMPLETED:
             await self._settle(tenant, key, token, payload=_encode(record, self.codec),
-                               ttl=record.expires_at - claim.now, epoch=epoch, publish=False)
+                               ttl=record.expires_at - claim.now, epoch=epoch,
+                               publish=self.announcing and locked, locked=locked)
         elif locked:
             await self._settle(tenant, key, token, publish=False, locked=True)
 
