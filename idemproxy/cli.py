@@ -190,7 +190,7 @@ class CLIError(Exception):
 def cmd_keys(args: argparse.Namespace) -> int:
     config = _load(args.config) if args.config else None
     admin_url = (args.admin_url or (
-        f"http://{config.admin.host}:{config.admin.port}" if config else "http://127.0.0.1:9090"
+        _admin_base(config.admin.host, config.admin.port) if config else "http://127.0.0.1:9090"
     )).rstrip("/")
     try:
         parts = urllib.parse.urlsplit(admin_url)
@@ -198,7 +198,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
     except ValueError:  # (a broken IPv6 host, a port that is not a number)
         hostname = None
     if not hostname or parts.scheme not in ("http", "https"):
-        raise CLIError(f"--admin-url {admin_url[:100]!r} is not an http(s) URL; give the proxy's admin port, such "
+        named = "--admin-url" if args.admin_url else "admin.host (--config): its URL"
+        raise CLIError(f"{named} {admin_url[:100]!r} is not an http(s) URL; give the proxy's admin port, such "
                        "as http://127.0.0.1:9090")
     token = args.token or (config.admin.token.reveal() if config else "") or os.environ.get(
         "IDEMPROXY_ADMIN_TOKEN", ""
@@ -214,6 +215,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
             tenant = tenant_id(config.tenant if config else TenantConfig(), args.tenant)
         except MissingTenant as exc:
             raise CLIError(f"--credential: {exc.detail}") from exc
+    if not tenant or not args.key:  # no admin route matches /admin/keys/t/: its 404 would read as "API off"
+        raise CLIError("TENANT and KEY must not be empty (TENANT is the id the access log shows; KEY the "
+                       "Idempotency-Key as sent)")
     path = "/admin/keys/" + "/".join(urllib.parse.quote(part, safe="") for part in (tenant, args.key))
     request = urllib.request.Request(
         admin_url + path, method="GET" if args.action == "show" else "DELETE",
@@ -221,6 +225,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
     )
     print(json.dumps(_admin_call(request, admin_url), indent=2))
     return 0
+
+
+def _admin_base(host: str, port: int) -> str:
+    """The admin port named by the config, as a URL: a wildcard address is reached on loopback, and an IPv6
+    address goes in brackets (``http://[::1]:9090``; ``http://::1:9090`` is no URL)."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _admin_call(request: urllib.request.Request, admin_url: str) -> Any:

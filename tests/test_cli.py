@@ -357,6 +357,29 @@ async def test_keys_errors_are_one_line_and_exit_non_zero(
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("idemproxy: "), result.stderr
         assert "Traceback" not in result.stderr and result.stdout == ""
+    # an empty KEY or TENANT matches no admin route: its 404 was read as "the admin API is off"
+    for tenant, key in (("tenant-1", ""), ("", "key-1")):
+        result = await asyncio.to_thread(run_cli, "keys", "show", tenant, key, "--admin-url", with_api.admin_url,
+                                         "--token", "s3cret")
+        assert result.returncode == 1 and "TENANT and KEY must not be empty" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("host", ["::1", "::"])
+async def test_keys_reaches_an_admin_port_on_an_ipv6_host_named_in_the_config(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path, host: str
+) -> None:
+    """`--config` naming admin.host "::1" (or the wildcard "::") made http://::1:PORT, which is no URL: the CLI
+    then blamed an --admin-url nobody gave."""
+    proxy = proxy_process({"upstream": {"url": upstream.url}, "admin": {"host": host, "token": "s3cret"},
+                           "log": {"access": "off"}, "storage": {"embedded": {"path": str(tmp_path / "v6.sqlite3")}}})
+    await proxy.start(wait=False)  # (its readiness is asked of 127.0.0.1, where "::1" does not listen)
+    keys = ("keys", "show", "tenant-1", "key-1", "--config", str(proxy.config_path))
+    for _ in range(300):
+        result = await asyncio.to_thread(run_cli, *keys)
+        if "not reachable" not in result.stderr:
+            break
+        await asyncio.sleep(0.1)
+    assert result.returncode == 1 and "no record for this tenant and key" in result.stderr, result.stderr
 
 
 async def test_keys_pointed_at_the_proxy_port_sends_no_token_and_says_so(
