@@ -758,7 +758,8 @@ class _Loader:
     def substitute(self, path: str, value: Any) -> Any:
         """Expand ``${NAME}`` / ``${NAME:-default}`` in every string scalar."""
         if isinstance(value, dict):
-            return {k: self.substitute(f"{path}.{k}" if path else str(k), v) for k, v in value.items()}
+            return {k: self.substitute(f"{path}.{_key_name(k)}" if path else _key_name(k), v)
+                    for k, v in value.items()}
         if isinstance(value, list):
             return [self.substitute(f"{path}[{i}]", v) for i, v in enumerate(value)]
         if not isinstance(value, str) or "${" not in value:
@@ -792,7 +793,7 @@ class _Loader:
         spec = _SPECS[cls]
         changes: dict[str, Any] = {}
         for key, value in raw.items():
-            key_path = f"{path}.{key}"
+            key_path = f"{path}.{_key_name(key)}"
             parser = spec.get(str(key))
             if parser is None:
                 self.error(key_path, f"unknown key (known: {', '.join((*also_known, *spec))})")
@@ -809,6 +810,16 @@ def _not_a(due: str, value: Any) -> str:
     kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
             type(None): "empty"}.get(type(value), f"a {type(value).__name__}")
     return f"{kind}, not {due} (the value is not shown)"
+
+
+_KEY_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def _key_name(key: Any) -> str:
+    """A mapping key as an error's path names it: a key no section knows may be a value written as a key (a DSN
+    in braces, ``postgres: {postgresql://app:pw@db/app}``): anything but a plain name is not shown."""
+    text = str(key)
+    return text if _KEY_NAME.match(text) else "<a key that is not a name (not shown)>"
 
 
 def _short(value: Any) -> str:
@@ -870,7 +881,7 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
              "replay_memory")
     for key in raw:
         if key not in known:
-            loader.error(f"storage.{key}", f"unknown key (known: {', '.join(known)})")
+            loader.error(f"storage.{_key_name(key)}", f"unknown key (known: {', '.join(known)})")
     redis = None
     if "redis" in raw:
         redis = loader.section(RedisConfig, "storage.redis", raw["redis"] or {})
@@ -1004,7 +1015,7 @@ def load_config(
     raw = loader.substitute("", _apply_overrides(raw, overrides or {}))
     for key in raw:
         if key not in _TOP_LEVEL:
-            loader.error(str(key), f"unknown key (known: {', '.join(_TOP_LEVEL)})")
+            loader.error(_key_name(key), f"unknown key (known: {', '.join(_TOP_LEVEL)})")
     idempotency = loader.section(IdempotencyConfig, "idempotency", raw.get("idempotency"))
     config = Config(
         listen=loader.section(ListenConfig, "listen", raw.get("listen")),

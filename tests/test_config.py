@@ -428,6 +428,21 @@ def test_a_value_where_a_section_is_due_is_refused_by_its_kind_never_shown(raw: 
     assert any("a string, not a" in error for error in errors), errors
 
 
+@pytest.mark.parametrize("raw", [
+    {"upstream": UP, "storage": {"postgres": {"postgresql://app:pw-SECRET@db:5432/app": None}}},
+    {"upstream": UP, "storage": {"postgresql://app:pw-SECRET@db:5432/app": None}},
+    {"upstream": UP, "storage": {"redis": {"redis://:pw-SECRET@cache:6379/0": None},
+                                 "postgres": {"dsn": "postgresql://db/app"}}},
+    {"upstream": UP, "postgresql://app:pw-SECRET@db/app": None},
+])
+def test_a_value_written_as_a_key_is_not_echoed(raw: dict[str, Any]) -> None:
+    """`postgres: {postgresql://app:pw@db/app}` (the `dsn: ` forgotten, in braces) makes the DSN a key, and an
+    unknown key's path showed it whole (review, 2026-11-27): a key that is not a plain name is not shown."""
+    errors = errors_of(raw)
+    assert errors and all("SECRET" not in error for error in errors), errors
+    assert any("a key that is not a name" in error for error in errors), errors
+
+
 def test_several_postgresql_hosts_in_one_dsn_are_accepted() -> None:
     config = load_config({"upstream": UP, "storage": {"postgres": {
         "dsn": "postgresql://app:pw@db1:5432,db2,[::1]:5433/idem?target_session_attrs=read-write"}}})
