@@ -120,22 +120,55 @@ def test_a_sealed_value_that_does_not_open_is_refused_logged_and_counted(
     assert "tok_live" not in caplog.text and CARD_HEADER not in caplog.text and "Jane" not in caplog.text
 
 
-def test_a_bound_frame_opens_only_beside_the_status_and_body_flag_it_was_sealed_with() -> None:
-    """The status and the body-kept flag are stored beside the frame (a column, the Redis copy's header), in
-    clear; a sealed frame is bound to them, so rewriting them is tampering. Its flag is in the associated data
-    too: clearing it does not unbind the frame. Frames of earlier versions (no binding) still open."""
+def test_a_bound_frame_opens_only_beside_the_outcome_it_was_sealed_with() -> None:
+    """The status, the body-kept flag and the fingerprint are stored beside the frame (columns, the Redis copy's
+    header), in clear; a sealed frame is bound to them, so rewriting them is tampering, and so is putting back a
+    frame of an earlier completion of the same key for another payload. Its flag is in the associated data too:
+    clearing it does not unbind the frame. Frames of earlier versions (no binding) still open."""
     c = codec(KEY_A)
-    bound = c.pack("t", "k", CARD.headers, CARD_BODY, (402, True))
+    bound = c.pack("t", "k", CARD.headers, CARD_BODY, (402, True, FP))
     assert bound[len(MAGIC)] == SEALED | OUTCOME_BOUND
-    assert c.unpack("t", "k", bound, backend="postgres", outcome=(402, True)) == (CARD.headers, CARD_BODY)
+    assert c.unpack("t", "k", bound, backend="postgres", outcome=(402, True, FP)) == (CARD.headers, CARD_BODY)
     unbound = bound[:len(MAGIC)] + bytes([SEALED]) + bound[len(MAGIC) + 1:]
-    for frame, outcome in [(bound, (200, True)), (bound, (402, False)), (bound, None), (unbound, (402, True))]:
+    for frame, outcome in [(bound, (200, True, FP)), (bound, (402, False, FP)), (bound, (402, True, "e" * 64)),
+                           (bound, None), (unbound, (402, True, FP))]:
         with pytest.raises(RecordUnreadable):
             c.unpack("t", "k", frame, backend="postgres", outcome=outcome)
+    for status in (402.0, "402", None, True):  # a clear-text status of another type (a hand-edited Redis copy)
+        with pytest.raises(RecordUnreadable):
+            c.unpack("t", "k", bound, backend="redis", outcome=(status, True, FP))  # type: ignore[arg-type]
     earlier = c.pack("t", "k", CARD.headers, CARD_BODY)  # as written before the binding
     assert earlier[len(MAGIC)] == SEALED
-    assert c.unpack("t", "k", earlier, backend="postgres", outcome=(201, True)) == (CARD.headers, CARD_BODY)
-    assert codec(compress=True).pack("t", "k", (), CARD_BODY * 50, (201, True))[len(MAGIC)] == COMPRESSED
+    assert c.unpack("t", "k", earlier, backend="postgres", outcome=(201, True, FP)) == (CARD.headers, CARD_BODY)
+    assert codec(compress=True).pack("t", "k", (), CARD_BODY * 50, (201, True, FP))[len(MAGIC)] == COMPRESSED
+
+
+async def test_an_earlier_answer_of_the_key_put_back_beside_a_new_payload_does_not_open(tmp_path: Path) -> None:
+    """A key released (or expired) and run again with another payload gets a new sealed value; the earlier one
+    (same tenant, key and status) written back by someone with write access to the store opened, and the new
+    payload's retry was replayed the old payload's answer (review, 2026-11-27)."""
+    section = with_codec({"embedded": {"path": str(tmp_path / "s.sqlite3")}}, KEY_A)
+    old = StoredResponse(status=201, headers=(), body=b'{"charge": "ch_OLD", "amount": 100}')
+    new = StoredResponse(status=201, headers=(), body=b'{"charge": "ch_NEW", "amount": 999900}')
+    async with opened(section) as store:
+        await completed(store, "k", old)
+        db = sqlite3.connect(section["embedded"]["path"])
+        try:
+            saved = db.execute("SELECT headers, body FROM records WHERE tenant = 't' AND key = 'k'").fetchone()
+        finally:
+            db.close()
+        assert await store.forget("t", "k")
+        claim = await store.claim("t", "k", "e" * 64, lease=30, ttl=600)
+        assert claim.owned and await store.complete(claim, new, ttl=600)
+        db = sqlite3.connect(section["embedded"]["path"])
+        try:
+            assert db.execute("UPDATE records SET headers = ?, body = ? WHERE tenant = 't' AND key = 'k'",
+                              saved).rowcount == 1
+            db.commit()
+        finally:
+            db.close()
+        with pytest.raises(RecordUnreadable):
+            await store.claim("t", "k", "e" * 64, lease=30, ttl=600)
 
 
 def test_previous_keys_open_what_they_sealed_and_the_primary_seals() -> None:

@@ -45,8 +45,9 @@ log = logging.getLogger("idemproxy.store.codec")
 MAGIC = b"IDP1"
 COMPRESSED = 0x01
 SEALED = 0x02
-# Sealed, and bound to what the record keeps beside the frame: the status and whether the body was kept (so a
-# declined charge's 402 rewritten to 200 in the store does not open). Older versions refuse such a frame (503).
+# Sealed, and bound to what the record keeps beside the frame: the status, whether the body was kept and the
+# fingerprint (so a declined charge's 402 rewritten to 200 in the store does not open, nor does an earlier answer
+# of the same key put back beside a new payload's record). Older versions refuse such a frame (503).
 OUTCOME_BOUND = 0x04
 KEY_ID_BYTES = 8
 TAG_BYTES = 16  # AES-GCM's authentication tag, at the end of a sealed frame
@@ -59,7 +60,10 @@ _LENGTH = struct.Struct(">I")
 _OUTCOME = struct.Struct(">I?")
 UNKNOWN_STATUS = 0xFFFFFFFF  # a reader that does not know the status: never authenticates a bound frame
 
-Outcome = tuple[int, bool]  # (status, body kept) of a completed record
+# (status, body kept, fingerprint) of a completed record: what its record keeps beside the frame. The fingerprint
+# makes a frame of an earlier completion of the same key (released, or expired, then run with another payload)
+# not open beside the new payload's record.
+Outcome = tuple[int, bool, str]
 
 Headers = tuple[tuple[str, str], ...]
 
@@ -117,8 +121,11 @@ def _associated(tenant: str, key: str, prefix: bytes, outcome: Outcome | None) -
     t, k = (part.encode("utf-8", "surrogateescape") for part in (tenant, key))
     bound = prefix + _LENGTH.pack(len(t)) + t + _LENGTH.pack(len(k)) + k
     if prefix[len(MAGIC)] & OUTCOME_BOUND:
-        status, kept = outcome if outcome is not None else (UNKNOWN_STATUS, False)
-        bound += _OUTCOME.pack(status if 0 <= status < UNKNOWN_STATUS else UNKNOWN_STATUS, kept)
+        status, kept, fingerprint = outcome if outcome is not None else (UNKNOWN_STATUS, False, "")
+        if type(status) is not int or not 0 <= status < UNKNOWN_STATUS:  # (a float or text from a hand-edited copy)
+            status = UNKNOWN_STATUS
+        fp = str(fingerprint).encode("utf-8", "surrogateescape")
+        bound += _OUTCOME.pack(status, bool(kept)) + _LENGTH.pack(len(fp)) + fp
     return bound
 
 
@@ -274,13 +281,14 @@ class Codec:
 
     # ------------------------------------------------------------------ two-column backends
 
-    def to_columns(self, tenant: str, key: str, headers: Headers, body: bytes | None, status: int | None = None
-                   ) -> tuple[str, bytes]:
+    def to_columns(self, tenant: str, key: str, headers: Headers, body: bytes | None, status: int | None = None,
+                   fingerprint: str = "") -> tuple[str, bytes]:
         """The (headers text, body bytes) columns of PostgreSQL and SQLite for a completed response (``body``
-        None: not kept); a sealed frame is bound to ``status`` and that, when the status is given."""
+        None: not kept); a sealed frame is bound to ``status``, that, and ``fingerprint`` when the status is
+        given."""
         if not self.framing:
             return headers_json(headers), body or b""
-        outcome = None if status is None else (status, body is not None)
+        outcome = None if status is None else (status, body is not None, fingerprint)
         return FRAMED, self.pack(tenant, key, headers, body or b"", outcome)
 
     def from_columns(

@@ -58,7 +58,7 @@ def _record(row: sqlite3.Row, codec: Codec | None) -> Record:
     if row["status"] is not None and codec is not None:
         headers, body = codec.from_columns(row["tenant"], row["key"], row["headers"], row["body"],
                                            backend=EmbeddedStore.backend,
-                                           outcome=(row["status"], bool(row["body_stored"])))
+                                           outcome=(row["status"], bool(row["body_stored"]), row["fingerprint"]))
         response = StoredResponse(status=row["status"], headers=headers, body=body if row["body_stored"] else None)
     return Record(
         tenant=row["tenant"], key=row["key"], fingerprint=row["fingerprint"],
@@ -288,7 +288,7 @@ class EmbeddedStore(Store):
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         record = claim.record
         headers, body = self.codec.to_columns(record.tenant, record.key, response.headers, response.body,
-                                              response.status)
+                                              response.status, record.fingerprint)
 
         def complete(db: sqlite3.Connection) -> bool:
             now = self._now()

@@ -448,7 +448,7 @@ def _record(row: Any, codec: Codec) -> Record:
     if row["status"] is not None:
         headers, body = codec.from_columns(row["tenant"], row["key"], row["headers"], row["body"],
                                            backend=PostgresStore.backend,
-                                           outcome=(row["status"], bool(row["body_stored"])))
+                                           outcome=(row["status"], bool(row["body_stored"]), row["fingerprint"]))
         response = StoredResponse(status=row["status"], headers=headers, body=body if row["body_stored"] else None)
     return Record(
         tenant=row["tenant"],
@@ -1121,7 +1121,8 @@ class PostgresStore(Store):
 
     async def complete(self, claim: Claim, response: StoredResponse, *, ttl: float) -> bool:
         tenant, key, token = claim.record.tenant, claim.record.key, claim.token
-        headers, body = self.codec.to_columns(tenant, key, response.headers, response.body, response.status)
+        headers, body = self.codec.to_columns(tenant, key, response.headers, response.body, response.status,
+                                              claim.record.fingerprint)
         where = (datetime.fromtimestamp(claim.record.expires_at, UTC),) if self.layout == "daily" else ()
         if self.batching:
             async with self.measured("complete"):

@@ -64,7 +64,9 @@ LOCK_MAX = 10.0
 # A lock younger than this may be one a claim took a moment ago and is still waiting on PostgreSQL for: for a key
 # whose Redis copy has expired (after replay_cache_ttl, or a Redis restart) PostgreSQL then says "completed", and
 # its duplicates answered 409 from that lock meanwhile. So a duplicate meeting a lock this young asks PostgreSQL
-# (a double submit pays a statement); an older lock is an owner PostgreSQL confirmed, and answers 409 alone.
+# (a double submit pays a statement); an older lock answers 409 alone (its claim was decided, unless PostgreSQL
+# took longer than this to answer it: then a duplicate may still get 409 for a completed key, and its retry the
+# replay).
 YOUNG_LOCK = 0.25
 BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
 # Locks a settle could not drop (Redis failed, or was skipped, just then) are dropped again in the background,
@@ -216,7 +218,7 @@ def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
         tail = response.body or b""
     else:
         tail = codec.pack(record.tenant, record.key, response.headers, response.body or b"",
-                          (response.status, response.body is not None))
+                          (response.status, response.body is not None, record.fingerprint))
     return _compact_json(head).encode() + b"\n" + tail
 
 
@@ -228,7 +230,7 @@ def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Reco
         body = codec.plain_body(tenant, key, body, backend=RedisFrontedStore.backend)
     else:
         headers, body = codec.unpack(tenant, key, body, backend=RedisFrontedStore.backend,
-                                     outcome=(head["s"], bool(head["b"])))
+                                     outcome=(head["s"], bool(head["b"]), head["f"]))
     response = StoredResponse(status=head["s"], headers=headers, body=body if head["b"] else None)
     return Record(
         tenant=tenant, key=key, fingerprint=head["f"], state=State.COMPLETED, lease_token=None,
