@@ -15,6 +15,7 @@ what the clients were told. Every violation is collected and printed before the 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import random
@@ -44,6 +45,12 @@ LEASE = float(os.environ.get("IDEMPROXY_STORM_LEASE", "3.5"))
 # The proxies' idempotency section; extend it as the config grows (e.g. settle_timeout).
 # The TTL outlasts the whole run (the verify pass included): an expired key executing again is no violation.
 IDEMPOTENCY: dict[str, Any] = {"lease": f"{LEASE}s", "ttl": f"{2 * STORM_SECONDS + 600:g}s", "settle_timeout": "5s"}
+# IDEMPROXY_STORM_SEAL=1 stores every answer compressed and sealed (storage.compression, storage.encryption), so
+# the codec's frames and their binding to the record are read back under the same faults.
+SEAL = os.environ.get("IDEMPROXY_STORM_SEAL", "") == "1"
+# IDEMPROXY_STORM_CACHE_TTL=2s lets Redis's replay copies expire during the run (default 1 h: only a Redis
+# restart empties them), so retries meet PostgreSQL's completed records behind a Redis that has lost them.
+CACHE_TTL = os.environ.get("IDEMPROXY_STORM_CACHE_TTL", "1h")
 MIN_TAKEOVER_GAP = LEASE - 1.0  # a second execution comes only after the first one's lease ran out
 SETTLE_GRACE = LEASE + 10  # after the faults stop, every key must get its answer within this
 CLIENT_TIMEOUT = 20.0  # one request; longer than any answer a healthy proxy holds back
@@ -414,7 +421,8 @@ class Verdict:
         second = sum(max(len(runs) - 1, 0) for runs in self.executions.values())
         faults = Counter(f.kind for f in storm.faults)
         lines = [
-            f"storm seed={storm.seed} seconds={STORM_SECONDS:g} (replay: IDEMPROXY_STORM_SEED={storm.seed})",
+            f"storm seed={storm.seed} seconds={STORM_SECONDS:g} lease={LEASE:g} sealed={SEAL} cache_ttl={CACHE_TTL} "
+            f"(replay: IDEMPROXY_STORM_SEED={storm.seed})",
             f"keys={len(storm.keys)} requests={storm.requests} executions={len(storm.upstream.executions)} "
             f"dropped-by-upstream={sum(e.dropped for e in storm.upstream.executions)} second-executions={second}",
             f"faults: {dict(sorted(faults.items()))}",
@@ -433,6 +441,9 @@ class Verdict:
 # ---------------------------------------------------------------------------------------------- the test
 
 
+STORM_KEY = base64.b64encode(os.urandom(32)).decode()
+
+
 def proxy_config(upstream_url: str, pg_dsn: str, redis_url: str) -> dict[str, Any]:
     return {
         "upstream": {"url": upstream_url, "timeout": "1s", "connect_timeout": "1s"},
@@ -440,7 +451,8 @@ def proxy_config(upstream_url: str, pg_dsn: str, redis_url: str) -> dict[str, An
         "tenant": {"from": "header", "header": "Authorization"},
         "storage": {
             "postgres": {"dsn": pg_dsn, "pool_min": 1, "pool_max": 5},
-            "redis": {"url": redis_url, "key_prefix": "storm:"},
+            "redis": {"url": redis_url, "key_prefix": "storm:", "replay_cache_ttl": CACHE_TTL},
+            **({"compression": {"min_size": 0}, "encryption": {"key": STORM_KEY}} if SEAL else {}),
         },
         "log": {"access": "off"},
         "shutdown_timeout": "3s",
