@@ -31,7 +31,7 @@ from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upst
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
 from idemproxy.tracing import build_tracer
-from idemproxy.workers import ABORT, DRAIN
+from idemproxy.workers import ABORT, DRAIN, drain_when_orphaned
 
 log = logging.getLogger("idemproxy")
 
@@ -375,6 +375,7 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT, DRAIN, ABORT):
         loop.add_signal_handler(sig, on_signal, sig)
+    drain_when_orphaned()  # (a worker of --workers N)
     # Admin first: /healthz answers and /readyz says "starting" while the stores open (bounded retries).
     await admin_runner.setup()
     try:

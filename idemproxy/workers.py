@@ -6,13 +6,17 @@ directory of value files) lets any worker's ``/metrics`` report the sum over all
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from types import FrameType
+
+from prometheus_client.multiprocess import mark_process_dead
 
 from idemproxy.config import Config
 
@@ -25,15 +29,41 @@ log = logging.getLogger("idemproxy.workers")
 # signal, which means "exit at once, without draining".
 DRAIN = signal.SIGUSR1  # drain as on a first SIGTERM; never counts as a second one
 ABORT = signal.SIGUSR2  # the operator signalled twice: exit at once
+PARENT_ENV = "IDEMPROXY_WORKERS_PARENT"  # a worker's parent pid, so the worker can tell when it is orphaned
+# A worker that dies unasked is replaced, unless it died this soon after it started: then it cannot start (the
+# port, the config's files), and starting it again and again would only hide that; the others drain and the
+# parent exits with its code.
+START_GRACE = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def drain_when_orphaned() -> None:
+    """In a worker, once it handles DRAIN: have Linux send DRAIN when the parent dies (kill -9 included), so a
+    worker never serves on as an orphan, holding the port with the old config, beside the workers of the parent
+    a supervisor starts next."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(DRAIN))
+    if os.getppid() != int(parent):  # it died before the prctl
+        os.kill(os.getpid(), DRAIN)
 
 
 def run_workers(config: Config, argv: list[str]) -> int:
-    """Start the workers, tell them to drain on SIGTERM/SIGINT (to exit at once on a second), and wait; exit
-    non-zero if any failed."""
+    """Start the workers, tell them to drain on SIGTERM/SIGINT (to exit at once on a second), and wait. A worker
+    that dies unasked (killed, crashed) is replaced and its live gauges dropped from the summed metrics (its
+    requests in flight, its store_up); exit non-zero if any failed."""
     with tempfile.TemporaryDirectory(prefix="idemproxy-metrics-") as metrics_dir:
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir, PARENT_ENV: str(os.getpid())}
         command = [sys.executable, "-m", "idemproxy", *argv, "--workers", "1", "--reuse-port"]
-        children = [subprocess.Popen(command, env=env) for _ in range(config.workers)]
+        started: dict[int, float] = {}
+
+        def spawn() -> subprocess.Popen[bytes]:
+            child = subprocess.Popen(command, env=env)
+            started[child.pid] = time.monotonic()
+            return child
+
+        children = [spawn() for _ in range(config.workers)]
         log.info("started %d workers: %s", len(children), [c.pid for c in children])
         signalled = 0
 
@@ -46,5 +76,24 @@ def run_workers(config: Config, argv: list[str]) -> int:
 
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
-        codes = [child.wait() for child in children]
-    return max(codes, default=0)
+        failed = 0
+        while any(child.returncode is None for child in children):
+            pid, status = os.waitpid(-1, 0)
+            index = next((i for i, child in enumerate(children) if child.pid == pid), None)
+            if index is None:
+                continue
+            code = children[index].returncode = os.waitstatus_to_exitcode(status)
+            mark_process_dead(pid, metrics_dir)  # type: ignore[no-untyped-call]
+            if signalled and code in (-signal.SIGTERM, -signal.SIGINT):
+                code = 0  # the operator's signal reached it before it handled signals: it was still starting
+            code = 128 - code if code < 0 else code  # killed by a signal: as a shell says it
+            if not signalled and time.monotonic() - started[pid] >= START_GRACE:
+                log.error("worker %d exited (%d) unasked; starting another", pid, code)
+                children[index] = spawn()
+                continue
+            failed = failed or code
+            if not signalled:
+                log.error("worker %d exited (%d) within %gs of its start; stopping the others", pid, code,
+                          START_GRACE)
+                forward(signal.SIGTERM, None)
+    return failed

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -23,6 +24,7 @@ from idemproxy.store.postgres import MIGRATIONS, migrate, server_of
 from tests.conftest import scratch_database
 from tests.proxyproc import ProxyProcess, wait_ready
 from tests.servers import free_port
+from tests.test_settle import until, until_async
 from tests.upstream import RecordingUpstream
 
 
@@ -237,6 +239,105 @@ async def test_workers_share_the_port_and_metrics_add_up(
     assert len(set(re.findall(r"started 2 workers: \[(\d+), (\d+)\]", output)[0])) == 2
 
 
+async def pay(session: aiohttp.ClientSession, port: int, key: str, *, delay: float) -> int | str:
+    """A covered POST the upstream answers after ``delay`` s: its status, or how its connection failed."""
+    headers = {"Authorization": "t", "Idempotency-Key": key, "X-Test-Delay": str(delay)}
+    try:
+        async with session.post(f"http://127.0.0.1:{port}/v1/c", json={"k": key}, headers=headers) as resp:
+            return resp.status
+    except aiohttp.ClientError as exc:
+        return type(exc).__name__
+
+
+def children_of(pid: int) -> set[int]:
+    """The live processes whose parent is ``pid`` (from /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(parent) == pid and state != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+def workers_config(tmp_path: Path, upstream: RecordingUpstream, pg: str) -> tuple[Path, int, int]:
+    port, admin = free_port(), free_port()
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port}, "admin": {"host": "127.0.0.1", "port": admin},
+        "upstream": {"url": upstream.url}, "storage": {"postgres": {"dsn": pg, "pool_min": 1}},
+        "workers": 2, "drain_delay": "0s", "shutdown_timeout": "2s", "log": {"access": "off"},
+    }))
+    return config, port, admin
+
+
+async def test_workers_drain_and_exit_when_their_parent_is_killed_9(
+    upstream: RecordingUpstream, clean_pg: str, tmp_path: Path
+) -> None:
+    """The workers of a parent killed -9 served on as orphans, holding the port with the old config beside the
+    workers of the parent a supervisor starts next (audit, 2026-11-27)."""
+    config, _, admin = workers_config(tmp_path, upstream, clean_pg)
+    proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    workers: set[int] = set()
+    try:
+        await wait_ready(f"http://127.0.0.1:{admin}", proc)
+        await until(lambda: len(children_of(proc.pid)) == 2)
+        workers = children_of(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        await until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), timeout=15)
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_worker_killed_9_is_replaced_and_its_gauges_leave_the_sums(
+    upstream: RecordingUpstream, clean_pg: str, tmp_path: Path
+) -> None:
+    """A worker killed -9 was never replaced (half the capacity, no log line), and its live gauges stayed in the
+    summed metrics for good: idemproxy_in_flight_requests counted its lost requests, idemproxy_store_up kept its
+    last 0 (audit, 2026-11-27)."""
+    config, port, admin = workers_config(tmp_path, upstream, clean_pg)
+    proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    requests: list[asyncio.Future[int | str]] = []
+    try:
+        await wait_ready(f"http://127.0.0.1:{admin}", proc)
+        await until(lambda: len(children_of(proc.pid)) == 2)
+        workers = children_of(proc.pid)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+
+            async def in_flight() -> float:
+                async with session.get(f"http://127.0.0.1:{admin}/metrics") as resp:
+                    text = await resp.text()
+                match = re.search(r"^idemproxy_in_flight_requests (\S+)$", text, re.MULTILINE)
+                assert match, text[:2000]
+                return float(match.group(1))
+
+            # New connections, spread by the kernel over both workers: with 8, both hold some (1 in 128 not).
+            requests = [asyncio.ensure_future(pay(session, port, f"k{i}", delay=20)) for i in range(8)]
+            await until(lambda: upstream.count() == 8)
+            assert await in_flight() == 8
+            os.kill(min(workers), signal.SIGKILL)
+            await until(lambda: len(children_of(proc.pid) - workers) == 1)  # a replacement
+            await until_async(lambda: _equal(in_flight(), sum(1 for r in requests if not r.done())))
+            await wait_ready(f"http://127.0.0.1:{admin}", proc)
+    finally:
+        for request in requests:
+            request.cancel()
+        proc.terminate()
+        output = proc.communicate(timeout=30)[0].decode()
+    assert "exited (137) unasked; starting another" in output, output
+
+
+async def _equal(value: Awaitable[float], expected: int) -> bool:
+    return await value == expected
+
+
 @pytest.mark.parametrize("signals", [1, 2])
 async def test_workers_signalled_as_a_process_group_drain_once_and_exit_at_once_on_a_second(
     upstream: RecordingUpstream, clean_pg: str, tmp_path: Path, signals: int
@@ -257,16 +358,8 @@ async def test_workers_signalled_as_a_process_group_drain_once_and_exit_at_once_
         await wait_ready(f"http://127.0.0.1:{admin}", proc)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
 
-            async def pay(i: int) -> int | str:
-                headers = {"Authorization": "t", "Idempotency-Key": f"g{i}", "X-Test-Delay": "3"}
-                try:
-                    async with session.post(f"http://127.0.0.1:{port}/v1/c", json={"i": i}, headers=headers) as resp:
-                        return resp.status
-                except aiohttp.ClientError as exc:
-                    return type(exc).__name__
-
             # New connections, spread by the kernel over both workers: with 8, both hold some (1 in 128 not).
-            requests = [asyncio.ensure_future(pay(i)) for i in range(8)]
+            requests = [asyncio.ensure_future(pay(session, port, f"g{i}", delay=3)) for i in range(8)]
             while upstream.count() < 8:
                 await asyncio.sleep(0.01)
             os.killpg(proc.pid, signal.SIGTERM)
