@@ -500,12 +500,21 @@ HOP_BY_HOP = frozenset({
 })
 
 
+# Headers this hop writes anew for every attempt: hashed, they would tell every retry from its first attempt
+# (422), whatever the client sent. (X-Forwarded-Host and -Proto are hashed as forwarded: from an untrusted peer,
+# this hop's own value, from Host and the scheme; and the request id header is refused by _cross_checks.)
+PER_ATTEMPT = ("x-forwarded-for", "traceparent", "tracestate")
+
+
 def _forwarded_header(value: Any) -> str:
     """A header name that reaches the upstream: what is hashed must be what is forwarded."""
     name = _token(value)
     if name.lower() in HOP_BY_HOP or name.lower() == "expect":
         raise _Invalid(f"{value!r} never reaches the upstream (this hop drops it), so it cannot tell two "
                        "requests apart")
+    if name.lower() in PER_ATTEMPT:
+        raise _Invalid(f"{value!r} is written by this hop for each attempt (the peer's address, the trace), so "
+                       "every retry would be another payload")
     return name
 
 
@@ -964,6 +973,10 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
     # (A ttl shorter than the lease is fine: an in-flight record stands for its whole lease in every store, and a
     # completed one for the ttl.)
     for path, idem, upstream_path, upstream in _policies(config):
+        if config.request_id.header.lower() in (name.lower() for name in idem.fingerprint_headers):
+            loader.error(f"{path}.fingerprint_headers", f"{config.request_id.header!r} is request_id.header: each "
+                         "attempt has its own (this hop makes one when the client's is missing or malformed), so "
+                         "every retry would be another payload")
         if idem.lease <= upstream.timeout:
             loader.error(
                 f"{path}.lease",

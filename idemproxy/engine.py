@@ -28,7 +28,7 @@ from functools import partial
 from typing import Literal, TypeVar
 
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from idemproxy.client import UpstreamResponse, UpstreamUnrelayable
 from idemproxy.config import (
@@ -69,7 +69,6 @@ from idemproxy.proxy import (
     client_response_headers,
     continue_body,
     filter_headers,
-    hop_by_hop,
     read_at_most,
     request_target,
     stream_response,
@@ -156,11 +155,11 @@ def forwarded_key(key: str) -> str:
     return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _fingerprint_headers(headers: CIMultiDictProxy[str], names: tuple[str, ...]) -> list[tuple[str, list[str]]]:
-    """Each of ``names`` with its lines as received; none for one this hop drops (named in ``Connection``),
-    which the upstream never sees: the bytes hashed are the bytes forwarded."""
-    dropped = hop_by_hop(headers)
-    return [(name, [] if name.lower() in dropped else headers.getall(name, [])) for name in names]
+def _fingerprint_headers(forwarded: CIMultiDict[str], names: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+    """Each of ``names`` with its lines as the upstream gets them (``Upstream.request_headers``): none for one this
+    hop drops (named in ``Connection``), this hop's own value for one it sets (X-Forwarded-Host and -Proto from an
+    untrusted peer): the bytes hashed are the bytes forwarded."""
+    return [(name, forwarded.getall(name, [])) for name in names]
 
 
 def short_hash(value: str) -> str:
@@ -308,7 +307,8 @@ class Engine:
             raise MissingKey(f"This route requires an {idem.header} header.")
         ex.key = key = parse_key(key_values, idem.key_max_length)
         body = await read_body(request, idem.max_request_body)
-        headers = _fingerprint_headers(request.headers, idem.fingerprint_headers) if idem.fingerprint_headers else ()
+        headers = (_fingerprint_headers(ex.upstream.request_headers(request, drop=(idem.header,)),
+                                        idem.fingerprint_headers) if idem.fingerprint_headers else ())
         if len(body) < OFFLOAD_BYTES:
             fp = self.fingerprint(request.method, request_target(request), headers, body, canonical=idem.canonical_json)
         else:  # a large body's canonical form off the loop, so it holds up no other client

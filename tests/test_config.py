@@ -718,6 +718,24 @@ def test_a_fingerprint_header_that_never_reaches_the_upstream_is_refused(name: s
         "X-Account", "Host")
 
 
+@pytest.mark.parametrize(("section", "expected"), [
+    ("idempotency: {fingerprint_headers: [X-Forwarded-For]}",
+     "idempotency.fingerprint_headers[0]: 'X-Forwarded-For' is written by this hop for each attempt"),
+    ("routes: [{prefix: /v1, fingerprint_headers: [X-Account, traceparent]}]",
+     "routes[0].fingerprint_headers[1]: 'traceparent' is written by this hop for each attempt"),
+    ("idempotency: {fingerprint_headers: [x-request-id]}",
+     "idempotency.fingerprint_headers: 'X-Request-Id' is request_id.header"),
+    ("request_id: {header: X-Trace}\nroutes: [{prefix: /v1, fingerprint_headers: [X-TRACE]}]",
+     "routes[0].fingerprint_headers: 'X-Trace' is request_id.header"),
+])
+def test_a_fingerprint_header_this_hop_writes_for_each_attempt_is_refused(section: str, expected: str) -> None:
+    """Hashed, a header this hop writes anew for every attempt (the peer's address appended, the trace, the
+    request id it makes when the client's is missing or malformed) would make every retry a 422."""
+    with pytest.raises(ConfigError) as info:
+        from_yaml(section)
+    assert any(error.startswith(expected) for error in info.value.errors), info.value.errors
+
+
 @pytest.mark.parametrize("url", ["http://api.internal:9000/v1?key=x", "http://api.internal/base#frag",
                                  "http://api.internal/?"])
 def test_an_upstream_url_with_a_query_or_a_fragment_is_refused_not_dropped(url: str) -> None:

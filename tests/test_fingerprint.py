@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import idemproxy.fingerprint
 from idemproxy.fingerprint import MAX_DEPTH, OFFLOAD_BYTES, Fingerprinter, canonical_json, fingerprint
 from tests.conftest import ProxyFactory
-from tests.rawhttp import build_request, send_raw
+from tests.rawhttp import RawResponse, build_request, send_raw
 from tests.upstream import RecordingUpstream
 
 CHARGE_BODY = b'{"amount": 1000, "currency": "eur"}'
@@ -582,6 +582,27 @@ async def test_a_fingerprint_header_this_hop_drops_counts_as_absent(
     same = await send_raw(proxy.url, with_headers(b"k-conn", []))  # what the upstream got
     assert same.status == 201 and same.headers["idempotent-replayed"] == "true"
     assert upstream.count(key="k-conn") == 1
+
+
+async def test_a_forwarded_header_this_hop_sets_is_hashed_as_forwarded(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """From a peer not in trusted_proxies, this hop sets X-Forwarded-Host from the host the client asked for and
+    replaces the client's own. Hashed as received, a charge for shop-b was replayed shop-a's answer, and a forged
+    X-Forwarded-Host the upstream never saw made a retry a 422 (audit, 2026-11-27)."""
+    proxy = await make_proxy("embedded", idempotency={"fingerprint_headers": ["X-Forwarded-Host"]})
+    headers = [(b"Authorization", b"Bearer t1"), (b"Idempotency-Key", b"k-xfh"), (b"Content-Type", b"application/json")]
+    body = b'{"amount":1000}'
+
+    async def charge(target: bytes, extra: list[tuple[bytes, bytes]]) -> RawResponse:
+        return await send_raw(proxy.url, build_request(b"POST", target, headers + extra, body))
+
+    assert (await charge(b"http://shop-a.test/v1/charges", [])).status == 201
+    other_shop = await charge(b"http://shop-b.test/v1/charges", [])
+    assert other_shop.status == 422 and json.loads(other_shop.body)["code"] == "payload_mismatch"
+    forged = await charge(b"http://shop-a.test/v1/charges", [(b"X-Forwarded-Host", b"elsewhere.test")])
+    assert forged.status == 201 and forged.headers["idempotent-replayed"] == "true"
+    assert [e.headers["X-Forwarded-Host"] for e in upstream.executed] == ["shop-a.test"]
 
 
 @pytest.mark.parametrize(("first", "second"), [
