@@ -116,6 +116,11 @@ class UpstreamResponse:
             parts.append(chunk)
         return b"".join(parts)
 
+    @property
+    def read_timeout(self) -> float | None:
+        """How long a read waits for the upstream's next bytes (``upstream.timeout``); None once released."""
+        return None if self._conn is None else self._conn._read_timeout
+
     def no_deadline(self) -> None:
         """The caller's deadline no longer bounds the rest of the body: each read waits ``read_timeout`` for the
         upstream's next bytes, as a pass-through does (the body of a kept answer, once its record is settled,

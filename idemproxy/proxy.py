@@ -5,6 +5,7 @@ This module knows HTTP and nothing of idempotency records.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -398,17 +399,22 @@ async def stream_response(
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
     reading = False  # which side failed, if one does: the upstream's read or the client's write
+    # A client that takes no bytes for as long as the upstream may stay silent is gone as far as this answer goes:
+    # aiohttp's write waits for the client without a bound, and the upstream connection (a pool slot) with it.
+    patience = upstream.read_timeout
     try:
         await response.prepare(request)  # (a client gone before the head is written fails here)
         if head:
-            await response.write(head)
+            async with asyncio.timeout(patience):
+                await response.write(head)
         while True:
             reading = True
             chunk = await upstream.read_chunk(CHUNK)
             if not chunk:
                 break
             reading = False
-            await response.write(chunk)
+            async with asyncio.timeout(patience):
+                await response.write(chunk)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         if reading:
             # Headers are gone already: the only honest signal left is to cut the connection.
@@ -418,7 +424,12 @@ async def stream_response(
             log.info("client went away mid-response (%s); the rest of the upstream's answer is dropped",
                      type(exc).__name__)
         if request.transport is not None:
-            request.transport.close()
+            # A client that stopped reading would hold a close() up for as long as it stays connected (its
+            # unsent bytes wait to be flushed): cut it. An upstream fault closes, flushing what the client has.
+            if reading:
+                request.transport.close()
+            else:
+                request.transport.abort()
         return response
     await response.write_eof()
     return response

@@ -6,6 +6,7 @@ import asyncio
 import gzip
 import json
 import logging
+import socket
 
 import aiohttp
 import pytest
@@ -175,6 +176,28 @@ async def test_a_client_that_hangs_up_mid_response_is_not_logged_as_an_upstream_
     assert "upstream body broke" not in caplog.text
     resp, _ = await proxy.post("/after", method="GET", tenant=None)  # the proxy carries on
     assert resp.status == 200
+
+
+async def test_a_client_that_stops_reading_frees_its_upstream_connection_within_the_upstream_timeout(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """aiohttp waits for a client's socket without a bound: a client that asked for a large answer and read
+    none of it held its upstream connection for as long as it stayed connected, so max_connections such clients
+    locked every request out of the upstream (502 upstream_unreachable; audit, 2026-11-27). A client taking no
+    bytes for upstream.timeout is now gone as far as that answer goes."""
+    proxy = await make_proxy("embedded", upstream={"timeout": "1s", "max_connections": 1})
+    pool = proxy.proxy.upstreams.default.pool
+    _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        writer.write(b"GET /stream/download?size=200000000 HTTP/1.1\r\nHost: proxy\r\n\r\n")  # never read
+        await wait_for(lambda: pool._open == 1)
+        await wait_for(lambda: pool._open == 0, timeout=15)
+        resp, _ = await proxy.post("/after", method="GET", tenant=None)
+        assert resp.status == 200
+    finally:
+        writer.transport.abort()
+        await writer.wait_closed()
 
 
 @pytest.mark.parametrize("request_line", [
