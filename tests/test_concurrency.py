@@ -179,3 +179,9 @@ async def test_second_process_on_one_embedded_file_is_refused(
     with pytest.raises(RuntimeError, match="in use by another idemproxy process"):
         await intruder.start()
     assert intruder.proc is not None and intruder.proc.returncode == 1
+    # The same file by another name (a volume, a "current" link) is the same file: it got past the lock.
+    (tmp_path / "link.sqlite3").symlink_to(tmp_path / "one.sqlite3")
+    linked = proxy_process({**config, "storage": {"embedded": {"path": str(tmp_path / "link.sqlite3")}}},
+                           name="linked")
+    with pytest.raises(RuntimeError, match="in use by another idemproxy process"):
+        await linked.start()

@@ -7,8 +7,10 @@ driver (statements sent to PostgreSQL).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import sqlite3
 import uuid
 from collections import Counter
@@ -124,6 +126,27 @@ async def test_ready_requires_store_takes_the_replica_out_while_another_process_
     status, ready = await readyz(proxy)
     assert (status, ready["stores"]) == (200, {"embedded": "ok"})
     assert (await proxy.post("/v1/charges", key="after-lock", body=CHARGE))[0].status == 201
+
+
+async def test_an_embedded_file_deleted_under_the_proxy_is_a_store_failure_not_a_store(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unlinked under a running proxy, the SQLite file took every write and lost all of them at the next start:
+    answers were "stored" and /readyz said ok, then every key executed again after a restart (audit,
+    2026-11-27). The file opened must still be the one at the path: else claims are 503 and the store is down."""
+    proxy = await make_proxy("embedded", admin={"ready_requires_store": True})
+    assert (await proxy.post("/v1/charges", key="before", body=CHARGE))[0].status == 201
+    store = proxy.proxy.store
+    assert isinstance(store, EmbeddedStore)
+    for path in (store.path, f"{store.path}-wal", f"{store.path}-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    resp, body = await proxy.post("/v1/charges", key="after", body=CHARGE)
+    assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable"
+    assert upstream.count(key="after") == 0
+    status, ready = await readyz(proxy)
+    assert (status, ready["stores"]) == (503, {"embedded": "unavailable"})
+    assert caplog.text.count("the file was removed or replaced while open") == 1
 
 
 async def test_a_hung_postgres_leaves_redis_named_in_readyz(

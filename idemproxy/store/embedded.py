@@ -78,6 +78,8 @@ class EmbeddedStore(Store):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idemproxy-sqlite")
         self._db: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the file opened
+        self._gone_said = False
         self._queued: list[_Queued] = []  # writes waiting for the next group commit
         self._committing = False
         # Leases are timed on the monotonic clock, anchored to the wall clock once at start: a wall-clock step
@@ -132,7 +134,9 @@ class EmbeddedStore(Store):
             "in a directory this process may write", maybe_applied=False)
 
     def _acquire_file_lock(self) -> None:
-        lock_path = f"{self.path}.lock"
+        # The file as it resolves, not as written: the same file through a symlink (a volume, a "current" link)
+        # takes the same lock.
+        lock_path = f"{os.path.realpath(self.path)}.lock"
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,7 +160,24 @@ class EmbeddedStore(Store):
         # FULL: a completed record is on disk before the client sees its response, even on power loss.
         db.execute("PRAGMA synchronous=FULL")
         db.executescript(_SCHEMA)
+        info = os.stat(self.path)
+        self._identity = (info.st_dev, info.st_ino)
         self._db = db
+
+    def _check_file(self) -> None:
+        """On the SQLite thread, before a write or a health check: the file opened is still the one at the path.
+        Unlinked (or replaced) under a running process, it takes every write and loses all of them at the next
+        start: that is a store failure, not a store."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            info = None
+        if info is None or (info.st_dev, info.st_ino) != self._identity:
+            if not self._gone_said:
+                self._gone_said = True
+                log.error("embedded store %s: the file was removed or replaced while open; nothing more is "
+                          "written to it, every claim is 503 (restart the proxy)", self.path)
+            raise sqlite3.OperationalError("the embedded store file was removed or replaced")
 
     async def close(self) -> None:
         if self._db is not None:
@@ -180,6 +201,7 @@ class EmbeddedStore(Store):
         db = self._db
         if db is None:
             return
+        self._check_file()
         (busy,) = db.execute("PRAGMA busy_timeout").fetchone()
         db.execute(f"PRAGMA busy_timeout = {PROBE_BUSY_MS}")
         try:
@@ -229,6 +251,7 @@ class EmbeddedStore(Store):
         db = self._db
         assert db is not None
         outcomes: list[tuple[bool, Any]] = []
+        self._check_file()
         db.execute("BEGIN IMMEDIATE")
         try:
             for fn, _ in batch:
