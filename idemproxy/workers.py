@@ -67,12 +67,18 @@ def run_workers(config: Config, argv: list[str]) -> int:
         log.info("started %d workers: %s", len(children), [c.pid for c in children])
         signalled = 0
 
+        def tell(child: subprocess.Popen[bytes]) -> None:
+            # os.kill, not Popen.send_signal: that polls, and a poll in a signal handler could reap a worker the
+            # loop below then waits for in vain. Only the loop reaps, so a worker not yet seen exit is alive or
+            # a zombie keeping its pid.
+            if child.returncode is None:
+                os.kill(child.pid, DRAIN if signalled == 1 else ABORT)
+
         def forward(_signum: int, _frame: FrameType | None) -> None:
             nonlocal signalled
             signalled += 1
             for child in children:
-                if child.poll() is None:
-                    child.send_signal(DRAIN if signalled == 1 else ABORT)
+                tell(child)
 
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
@@ -84,12 +90,19 @@ def run_workers(config: Config, argv: list[str]) -> int:
                 continue
             code = children[index].returncode = os.waitstatus_to_exitcode(status)
             mark_process_dead(pid, metrics_dir)  # type: ignore[no-untyped-call]
-            if signalled and code in (-signal.SIGTERM, -signal.SIGINT):
-                code = 0  # the operator's signal reached it before it handled signals: it was still starting
+            # Killed -9 (the OOM killer, an operator) is no failure to start, however soon: one that cannot start
+            # exits with its one-line error. START_GRACE counts from the spawn, and a worker serves well before.
+            killed = code == -signal.SIGKILL
+            if signalled and code in (-signal.SIGTERM, -signal.SIGINT, -DRAIN):
+                # The operator's signal (or the DRAIN this process forwards when the operator signals it alone)
+                # reached it before it handled signals: it was still starting.
+                code = 0
             code = 128 - code if code < 0 else code  # killed by a signal: as a shell says it
-            if not signalled and time.monotonic() - started[pid] >= START_GRACE:
+            if not signalled and (killed or time.monotonic() - started[pid] >= START_GRACE):
                 log.error("worker %d exited (%d) unasked; starting another", pid, code)
-                children[index] = spawn()
+                children[index] = child = spawn()
+                if signalled:  # the operator's signal came while it was being started: forward() did not see it
+                    tell(child)
                 continue
             failed = failed or code
             if not signalled:

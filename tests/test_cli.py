@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -332,6 +333,72 @@ async def test_a_worker_killed_9_is_replaced_and_its_gauges_leave_the_sums(
         proc.terminate()
         output = proc.communicate(timeout=30)[0].decode()
     assert "exited (137) unasked; starting another" in output, output
+
+
+def test_one_sigterm_while_the_workers_start_exits_0(upstream: RecordingUpstream, tmp_path: Path) -> None:
+    """One SIGTERM to the parent alone (Kubernetes, `kill PID`) while its workers still import: the DRAIN it
+    forwards kills a worker that does not handle it yet, which is a clean stop, not exit 138 (review,
+    2026-11-27). Whether the workers had started or not, the answer is 0."""
+    config = tmp_path / "w.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": free_port()}, "admin": {"host": "127.0.0.1", "port": free_port()},
+        "upstream": {"url": upstream.url}, "workers": 2, "drain_delay": "0s", "shutdown_timeout": "2s",
+        "storage": {"postgres": {"dsn": f"postgresql://x@127.0.0.1:{free_port()}/x", "pool_min": 1}},
+    }))
+    proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        while len(children_of(proc.pid)) < 2 and proc.poll() is None:
+            time.sleep(0.002)  # (polling: the window is the workers' start, a second or so)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=30)[1].decode()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, (proc.returncode, err[-1500:])
+
+
+_REPLACING_PARENT = """
+import subprocess, sys, time
+import idemproxy.workers as w
+w.START_GRACE = 0.3
+real, spawned = subprocess.Popen, []
+
+def popen(command, env):  # worker 1 fails (exit 1) after 0.6 s; the others run until DRAIN ends them
+    life = "0.6); sys.exit(1" if not spawned else "60"
+    child = real([sys.executable, "-c", f"import sys, time; time.sleep({life})"], env=env)
+    spawned.append(child.pid)
+    if len(spawned) > 2:  # the replacement: the parent's own code still runs after the fork
+        open(sys.argv[1], "w").write(str(child.pid))
+        time.sleep(1.0)
+    return child
+
+w.subprocess.Popen = popen
+
+class Config:
+    workers = 2
+
+sys.exit(w.run_workers(Config(), []))
+"""
+
+
+def test_the_operators_sigterm_during_a_replacement_reaches_the_replacement(tmp_path: Path) -> None:
+    """A SIGTERM handled while a replacement worker was being started (between its fork and its place in the
+    list) was forwarded to every worker but that one, and the parent waited on it for good (review, 2026-11-27;
+    the window widened here by a Popen that takes a second)."""
+    script, marker = tmp_path / "parent.py", tmp_path / "replacing"
+    script.write_text(_REPLACING_PARENT)
+    proc = subprocess.Popen([sys.executable, str(script), str(marker)], start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    try:
+        while not (marker.exists() and marker.read_text()) and proc.poll() is None:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)  # while the replacement's Popen still runs
+        proc.wait(timeout=8)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 async def _equal(value: Awaitable[float], expected: int) -> bool:
