@@ -6,8 +6,12 @@ This module knows HTTP and nothing of idempotency records.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import ipaddress
 import logging
+import struct
+import termios
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
@@ -385,6 +389,46 @@ async def _stream_body(request: web.BaseRequest) -> AsyncIterator[bytes]:
         yield chunk
 
 
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on a socket (Linux)
+
+
+async def _write_patiently(
+    request: web.BaseRequest, response: web.StreamResponse, chunk: bytes, patience: float | None
+) -> None:
+    """``response.write(chunk)``, cut (TimeoutError) once the client has taken no byte for ``patience`` seconds:
+    one write (a chunk, then aiohttp's drain down to the low-water mark) may take longer than that for a client
+    that reads slowly but steadily, and that client is not gone."""
+    transport = request.transport
+    if patience is None or transport is None:
+        await response.write(chunk)
+        return
+    write = asyncio.ensure_future(response.write(chunk))
+    sock = transport.get_extra_info("socket")
+
+    def unsent() -> int:  # this process's buffer, and the kernel's bytes the client has not acknowledged
+        queued = transport.get_write_buffer_size()
+        if sock is not None and _OUTQ is not None:
+            with contextlib.suppress(OSError):
+                queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
+        return queued
+
+    try:
+        await asyncio.sleep(0)  # the write runs first: its bytes are in the buffers measured
+        left = unsent()
+        while True:
+            done, _ = await asyncio.wait((write,), timeout=patience)
+            if done:
+                return write.result()
+            now = unsent()
+            if now >= left:  # not a byte taken for ``patience``
+                raise TimeoutError
+            left = now
+    finally:
+        if not write.done():
+            write.cancel()
+            write.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+
 async def stream_response(
     request: web.BaseRequest,
     upstream: UpstreamResponse,
@@ -405,16 +449,14 @@ async def stream_response(
     try:
         await response.prepare(request)  # (a client gone before the head is written fails here)
         if head:
-            async with asyncio.timeout(patience):
-                await response.write(head)
+            await _write_patiently(request, response, head, patience)
         while True:
             reading = True
             chunk = await upstream.read_chunk(CHUNK)
             if not chunk:
                 break
             reading = False
-            async with asyncio.timeout(patience):
-                await response.write(chunk)
+            await _write_patiently(request, response, chunk, patience)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         if reading:
             # Headers are gone already: the only honest signal left is to cut the connection.

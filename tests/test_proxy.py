@@ -7,6 +7,7 @@ import gzip
 import json
 import logging
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -198,6 +199,36 @@ async def test_a_client_that_stops_reading_frees_its_upstream_connection_within_
     finally:
         writer.transport.abort()
         await writer.wait_closed()
+
+
+async def test_a_slow_client_that_keeps_reading_is_not_cut(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Cut only when it has taken no bytes for upstream.timeout: one write (a 64 KiB chunk and aiohttp's drain)
+    takes longer than that for a client on a slow link, and the first version cut such a client mid-download
+    (review, 2026-11-27). Here 1 KiB every 50 ms, with upstream.timeout 1 s, for 4 s."""
+    proxy = await make_proxy("embedded", upstream={"timeout": "1s"})
+
+    def slow_client() -> tuple[int, str]:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", proxy.port))
+            sock.sendall(b"GET /stream/download?size=200000000 HTTP/1.1\r\nHost: proxy\r\n\r\n")
+            got, until = 0, time.monotonic() + 4
+            while time.monotonic() < until:
+                try:
+                    data = sock.recv(1024)
+                except ConnectionResetError as exc:
+                    return got, repr(exc)
+                if not data:
+                    return got, "EOF"
+                got += len(data)
+                time.sleep(0.05)  # the client's own pace: a slow link
+            return got, "still reading"
+
+    with caplog.at_level(logging.INFO, "idemproxy.proxy"):
+        got, how = await asyncio.to_thread(slow_client)
+    assert how == "still reading" and "went away mid-response" not in caplog.text, (got, how)
 
 
 @pytest.mark.parametrize("request_line", [
