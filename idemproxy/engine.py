@@ -28,7 +28,7 @@ from functools import partial
 from typing import Literal, TypeVar
 
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from idemproxy.client import UpstreamResponse, UpstreamUnrelayable
 from idemproxy.config import (
@@ -155,11 +155,14 @@ def forwarded_key(key: str) -> str:
     return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _fingerprint_headers(forwarded: CIMultiDict[str], names: tuple[str, ...]) -> list[tuple[str, list[str]]]:
+def _fingerprint_headers(
+    forwarded: CIMultiDict[str], received: CIMultiDictProxy[str], names: tuple[str, ...]
+) -> list[tuple[str, list[str]]]:
     """Each of ``names`` with its lines as the upstream gets them (``Upstream.request_headers``): none for one this
     hop drops (named in ``Connection``), this hop's own value for one it sets (X-Forwarded-Host and -Proto from an
-    untrusted peer): the bytes hashed are the bytes forwarded."""
-    return [(name, forwarded.getall(name, [])) for name in names]
+    untrusted peer): the bytes hashed are the bytes forwarded. ``Host`` is the exception: this hop sends its own
+    (the upstream's) and passes the client's on as X-Forwarded-Host, so it is hashed as received."""
+    return [(name, (received if name.lower() == "host" else forwarded).getall(name, [])) for name in names]
 
 
 def short_hash(value: str) -> str:
@@ -307,7 +310,7 @@ class Engine:
             raise MissingKey(f"This route requires an {idem.header} header.")
         ex.key = key = parse_key(key_values, idem.key_max_length)
         body = await read_body(request, idem.max_request_body)
-        headers = (_fingerprint_headers(ex.upstream.request_headers(request, drop=(idem.header,)),
+        headers = (_fingerprint_headers(ex.upstream.request_headers(request, drop=(idem.header,)), request.headers,
                                         idem.fingerprint_headers) if idem.fingerprint_headers else ())
         if len(body) < OFFLOAD_BYTES:
             fp = self.fingerprint(request.method, request_target(request), headers, body, canonical=idem.canonical_json)

@@ -605,6 +605,24 @@ async def test_a_forwarded_header_this_hop_sets_is_hashed_as_forwarded(
     assert [e.headers["X-Forwarded-Host"] for e in upstream.executed] == ["shop-a.test"]
 
 
+async def test_host_in_fingerprint_headers_is_hashed_as_the_client_sent_it(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Host is the one header this hop replaces by its own (the upstream's) and passes on as X-Forwarded-Host:
+    read from the forwarded headers, every Host hashed as absent and shop-b was replayed shop-a's answer (review,
+    2026-11-27)."""
+    proxy = await make_proxy("embedded", idempotency={"fingerprint_headers": ["Host"]})
+
+    def charge(host: bytes) -> bytes:
+        return (b"POST /v1/charges HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\nAuthorization: Bearer t1\r\n"
+                b"Idempotency-Key: k-host\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+
+    assert (await send_raw(proxy.url, charge(b"shop-a.test"))).status == 201
+    other = await send_raw(proxy.url, charge(b"shop-b.test"))
+    assert other.status == 422 and json.loads(other.body)["code"] == "payload_mismatch"
+    assert upstream.count(key="k-host") == 1
+
+
 @pytest.mark.parametrize(("first", "second"), [
     ([(b"X-Account", b"")], []),  # sent empty, not sent
     ([(b"X-Account", b"a"), (b"X-Account", b"b")], [(b"X-Account", b"a,b")]),  # two lines, one line
