@@ -6,6 +6,7 @@ directory of value files) lets any worker's ``/metrics`` report the sum over all
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -72,7 +73,8 @@ def run_workers(config: Config, argv: list[str]) -> int:
             # loop below then waits for in vain. Only the loop reaps, so a worker not yet seen exit is alive or
             # a zombie keeping its pid.
             if child.returncode is None:
-                os.kill(child.pid, DRAIN if signalled == 1 else ABORT)
+                with contextlib.suppress(ProcessLookupError):  # (reaped just now, its returncode not yet set)
+                    os.kill(child.pid, DRAIN if signalled == 1 else ABORT)
 
         def forward(_signum: int, _frame: FrameType | None) -> None:
             nonlocal signalled
