@@ -400,7 +400,9 @@ def parse_duration(value: Any) -> float:
         if not match:
             raise _Invalid(f"{value!r} is not a duration (use e.g. 500ms, 30s, 24h)")
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-    if not math.isfinite(seconds) or seconds > DURATION_MAX:
+    if not math.isfinite(seconds):
+        raise _Invalid(f"{value!r} is not a duration (not a finite number)")
+    if seconds > DURATION_MAX:
         raise _Invalid(f"{value!r} is not a duration (at most 100 years)")
     return seconds
 

@@ -117,7 +117,7 @@ def parse_headers(text: str | bytes | None) -> Headers:
 
 def _associated(tenant: str, key: str, prefix: bytes, outcome: Outcome | None) -> bytes:
     """What a sealed frame is bound to: its record (length-prefixed, so no two (tenant, key) pairs collide) and,
-    with OUTCOME_BOUND, the status and body-kept flag stored beside it."""
+    with OUTCOME_BOUND, the status, body-kept flag and fingerprint stored beside it."""
     t, k = (part.encode("utf-8", "surrogateescape") for part in (tenant, key))
     bound = prefix + _LENGTH.pack(len(t)) + t + _LENGTH.pack(len(k)) + k
     if prefix[len(MAGIC)] & OUTCOME_BOUND:
@@ -195,7 +195,7 @@ class Codec:
 
     def pack(self, tenant: str, key: str, headers: Headers, body: bytes, outcome: Outcome | None = None) -> bytes:
         """One frame holding ``headers`` and ``body``, compressed and sealed as configured; a sealed frame is
-        bound to ``outcome`` (the status and body-kept flag stored beside it) when given."""
+        bound to ``outcome`` (the status, body-kept flag and fingerprint stored beside it) when given."""
         head = headers_json(headers).encode()
         payload = _LENGTH.pack(len(head)) + head + body
         flags = 0
