@@ -406,9 +406,11 @@ async def _write_patiently(
     sock = transport.get_extra_info("socket")
 
     def unsent() -> int:  # this process's buffer, and the kernel's bytes the client has not acknowledged
+        if transport.is_closing():  # the client left (its socket's fd may be -1 already) while the write waited
+            raise ConnectionResetError("the client's connection closed mid-response")
         queued = transport.get_write_buffer_size()
         if sock is not None and _OUTQ is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
         return queued
 

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import logging
 import socket
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 from yarl import URL
 
+from idemproxy.proxy import _write_patiently
 from tests.conftest import ProxyFactory
 from tests.rawhttp import build_request, parse_response, raw_exchange, send_raw, send_raw_bytes
 from tests.servers import free_port
@@ -199,6 +202,32 @@ async def test_a_client_that_stops_reading_frees_its_upstream_connection_within_
     finally:
         writer.transport.abort()
         await writer.wait_closed()
+
+
+async def test_a_client_that_leaves_while_a_write_waits_is_a_client_gone() -> None:
+    """Its transport closing and its socket's fd -1 by the time the wait for progress looks: the first version
+    asked the kernel about fd -1 and raised ValueError, an unhandled error (seen under uvloop, now and then, when
+    a slow client left mid-download). A real connection; a write that waits for good."""
+    accepted: list[asyncio.StreamWriter] = []
+    server = await asyncio.start_server(lambda _, writer: accepted.append(writer), "127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_connection(asyncio.Protocol, *server.sockets[0].getsockname()[:2])
+    try:
+        request = SimpleNamespace(transport=transport)
+        never: asyncio.Future[None] = loop.create_future()
+        response = SimpleNamespace(write=lambda chunk: never)
+        transport.abort()
+        await asyncio.sleep(0)  # (the loop closes its socket)
+        assert transport.is_closing() and transport.get_extra_info("socket").fileno() == -1
+        with pytest.raises(ConnectionResetError):
+            await _write_patiently(request, response, b"x", 0.05)  # type: ignore[arg-type]
+    finally:
+        for writer in accepted:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_slow_client_that_keeps_reading_is_not_cut(

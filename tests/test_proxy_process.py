@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,44 @@ async def test_100_mib_each_way_streams_with_bounded_memory(
     peak = proxy.peak_rss_bytes()
     print(f"proxy peak RSS after 100 MiB each way: {peak / MiB:.1f} MiB")
     assert peak < RSS_LIMIT, f"peak RSS {peak / MiB:.1f} MiB"
+
+
+async def test_clients_that_read_slowly_stop_reading_or_leave_mid_stream_under_uvloop(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """The real server (uvloop), where a client's progress is read from its socket: one reading slowly is served,
+    one that stops reading is cut after upstream.timeout, and one that leaves while a write waits is a client
+    gone, never an unhandled error."""
+    proxy = proxy_process({**embedded(upstream, tmp_path), "upstream": {"url": upstream.url, "timeout": "1s"}})
+    await proxy.start()
+    port = int(proxy.url.rsplit(":", 1)[1])
+
+    def download(pace: float, seconds: float) -> int:
+        """Read 1 KiB every ``pace`` s (nothing, with 0) for ``seconds``, then leave; the bytes read."""
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /stream/download?size=200000000 HTTP/1.1\r\nHost: proxy\r\n\r\n")
+            got, deadline = 0, time.monotonic() + seconds
+            while pace and time.monotonic() < deadline:
+                data = sock.recv(1024)
+                assert data, f"cut after {got} bytes although it kept reading"
+                got += len(data)
+                time.sleep(pace)  # the client's own pace: a slow link
+            time.sleep(max(deadline - time.monotonic(), 0))
+            return got
+
+    # Slowly, past upstream.timeout, then it leaves (while a write waits, now and then: the race the unit test in
+    # test_proxy.py pins), and one that reads nothing at all: cut.
+    assert await asyncio.to_thread(download, 0.05, 2.5) > 0
+    await asyncio.to_thread(download, 0, 2.5)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while "client went away mid-response (TimeoutError)" not in proxy.log():
+        assert loop.time() < deadline, proxy.log()
+        await asyncio.sleep(0.05)
+    log = proxy.log()
+    assert "unhandled error" not in log and "Traceback" not in log, log
 
 
 async def test_sigterm_lets_in_flight_requests_finish(
