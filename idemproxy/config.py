@@ -470,8 +470,16 @@ def _text(value: Any, *, secret: bool) -> str:
         raise _Invalid(f"{shown} is not a string")
     # Unquoted, 0012345 is the octal number 5349, on is true, 1e3 is 1000.0, 2024-01-02 a date: str() of
     # what YAML made would silently be another token or password than the one written.
-    kind = {bool: "a boolean", int: "a number", float: "a number"}.get(type(value), f"a {type(value).__name__}")
-    raise _Invalid(f"{shown} is not a string: YAML read the unquoted value as {kind}; quote it")
+    raise _Invalid(f"{shown} is not a string: YAML read the unquoted value as {_kind(value)}; quote it")
+
+
+_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+          type(None): "empty"}
+
+
+def _kind(value: Any) -> str:
+    """What YAML made of a value, in words (never the value itself)."""
+    return _KINDS.get(type(value), f"a {type(value).__name__}")
 
 
 def _choice(*options: str) -> Callable[[Any], str]:
@@ -818,9 +826,7 @@ class _Loader:
 def _not_a(due: str, value: Any) -> str:
     """A value of the wrong shape where a section or a list is due, by its kind alone: the value itself may be a
     secret written one level too high (``postgres: postgresql://app:pw@db/app`` for ``postgres: {dsn: ...}``)."""
-    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-            type(None): "empty"}.get(type(value), f"a {type(value).__name__}")
-    return f"{kind}, not {due} (the value is not shown)"
+    return f"{_kind(value)}, not {due} (the value is not shown)"
 
 
 _KEY_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

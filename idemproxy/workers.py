@@ -100,7 +100,8 @@ def run_workers(config: Config, argv: list[str]) -> int:
                 # reached it before it handled signals: it was still starting.
                 code = 0
             code = 128 - code if code < 0 else code  # killed by a signal: as a shell says it
-            if not signalled and (killed or time.monotonic() - started[pid] >= START_GRACE):
+            lived = time.monotonic() - started.pop(pid)
+            if not signalled and (killed or lived >= START_GRACE):
                 log.error("worker %d exited (%d) unasked; starting another", pid, code)
                 children[index] = child = spawn()
                 if signalled:  # the operator's signal came while it was being started: forward() did not see it
