@@ -102,6 +102,13 @@ class HeaderPolicy:
 # the proxy's, and the body goes upstream whole with the head, as Envoy does by default).
 _NOT_FORWARDED = ("host", "expect")
 _CONTENT_LENGTH = ("content-length",)
+# Forwarding headers this hop writes, under the names an upstream may read them by as well: RFC 7239's
+# Forwarded (for=, proto=, host=) and the X-Forwarded-* names spelled with underscores, which CGI/WSGI servers
+# fold into the same HTTP_X_FORWARDED_* variable as the hyphenated one. From a peer not trusted they are
+# dropped: passed on, they would let a client forge what this hop vouches for.
+_FORGEABLE = ("Forwarded", *(
+    f"X{a}Forwarded{b}{name}" for name in ("For", "Proto", "Host") for a in "-_" for b in "-_" if a + b != "--"
+))
 
 
 def hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
@@ -135,7 +142,8 @@ def upstream_request_headers(
     """The client's headers as the upstream should see them: X-Forwarded-* and the request id set.
 
     X-Forwarded-Proto/-Host sent by a trusted proxy (``forwarded.trusted_proxies``) describe the client's
-    original request and pass through; from anyone else they could be forged, so this hop sets them.
+    original request and pass through; from anyone else they could be forged, so this hop sets them, and drops
+    the other spellings an upstream could read the same facts from (``Forwarded``, ``X_Forwarded_Host``...).
     """
     # What came in, hop-by-hop headers gone: an X-Forwarded-* the client named in Connection is not passed on,
     # nor appended to.
@@ -144,6 +152,10 @@ def upstream_request_headers(
     forwarded_for = ", ".join([*headers.getall("X-Forwarded-For", ()), remote])
     headers["X-Forwarded-For"] = forwarded_for.strip(", ")
     trusted = policy.trusts(request.remote)
+    if not trusted:
+        for name in _FORGEABLE:
+            if name in headers:
+                headers.popall(name)
     if not (trusted and "X-Forwarded-Proto" in headers):
         headers["X-Forwarded-Proto"] = request.scheme
     if not (trusted and "X-Forwarded-Host" in headers):

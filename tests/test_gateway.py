@@ -108,6 +108,29 @@ async def test_forwarded_headers_from_an_untrusted_peer_are_set_by_this_hop(
         ["abs.example:8443"], ["abs.example"]]
 
 
+FORGED = {"Forwarded": "for=6.6.6.6;proto=https;host=shop-a.example", "X_Forwarded_Host": "shop-a.example",
+          "X-Forwarded_Proto": "https", "X_Forwarded_For": "6.6.6.6"}
+
+
+@pytest.mark.parametrize("covered", [False, True])
+@pytest.mark.parametrize("trusted", [False, True])
+async def test_other_spellings_of_the_forwarding_headers_pass_only_from_a_trusted_peer(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, covered: bool, trusted: bool
+) -> None:
+    """RFC 7239 ``Forwarded`` says what X-Forwarded-* say, and a CGI/WSGI upstream reads ``X_Forwarded_Host``
+    as X-Forwarded-Host: from a peer not trusted they went on as sent, so a client could name the shop, the
+    scheme or the address this hop vouches for."""
+    networks = ["127.0.0.0/8", "::1"] if trusted else ["10.0.0.0/8"]
+    proxy = await make_proxy("embedded", forwarded={"trusted_proxies": networks})
+    resp, _ = await proxy.post("/f", headers=FORGED, body=CHARGE, key="fs" if covered else None)
+    assert resp.status == 201
+    seen = upstream.executed[0].headers
+    for name, value in FORGED.items():
+        assert seen.getall(name, []) == ([value] if trusted else []), name
+    assert seen.getall("X-Forwarded-For") == ["127.0.0.1"]
+    assert seen.getall("X-Forwarded-Proto") == ["http"]
+
+
 @pytest.mark.parametrize("covered", [False, True])
 async def test_forwarded_headers_the_client_named_in_connection_are_dropped_not_passed_on(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, covered: bool
