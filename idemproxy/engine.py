@@ -309,7 +309,7 @@ class Engine:
         if not key_values:
             raise MissingKey(f"This route requires an {idem.header} header.")
         ex.key = key = parse_key(key_values, idem.key_max_length)
-        body = await read_body(request, idem.max_request_body)
+        body = await read_body(request, idem.max_request_body, ex.upstream.config.timeout)
         headers = (_fingerprint_headers(ex.upstream.request_headers(request, drop=(idem.header,)), request.headers,
                                         idem.fingerprint_headers) if idem.fingerprint_headers else ())
         if len(body) < OFFLOAD_BYTES:
@@ -828,28 +828,35 @@ def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:
             result.upstream.release()
 
 
-async def read_body(request: web.BaseRequest, limit: int) -> bytes:
+async def read_body(request: web.BaseRequest, limit: int, patience: float | None = None) -> bytes:
     """The request body, refused with 413 past ``limit`` (checked before reading when declared, and then before
     an ``Expect: 100-continue`` is answered: the client is not asked for a body it would send in vain). A client
-    gone before its body came whole is :class:`ClientGone`."""
+    gone before its body came whole is :class:`ClientGone`; so is one that sends no byte of it for ``patience``
+    seconds (its connection is cut): a stalled upload would otherwise hold its connection and up to ``limit``
+    bytes for as long as the client stays connected."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
+    content = request.content
     try:
-        if declared is not None and declared <= SMALL_BODY:  # (below aiohttp's client_max_size: read() takes it)
-            content = request.content
-            if content.is_eof():  # the whole body came with the head: take it without read()'s loop and copy
-                return content.read_nowait()
-            await continue_body(request)
-            return await request.read()  # one call instead of an iterator that ends in StopAsyncIteration
+        if declared is not None and declared <= SMALL_BODY and content.is_eof():
+            # (below aiohttp's client_max_size) the whole body came with the head: take it without a read loop
+            return content.read_nowait()
         await continue_body(request)
         parts: list[bytes] = []
         size = 0
-        async for chunk in request.content.iter_chunked(CHUNK):
+        while True:
+            async with asyncio.timeout(patience):
+                chunk = await content.read(CHUNK)  # what has come, up to CHUNK: progress, not a full chunk
+            if not chunk:
+                return b"".join(parts)
             size += len(chunk)
             if size > limit:
                 raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
             parts.append(chunk)
-        return b"".join(parts)
+    except TimeoutError as exc:
+        if request.transport is not None:  # nobody is sending: no answer would be read either
+            request.transport.abort()
+        raise ClientGone from exc
     except ConnectionResetError as exc:  # (aiohttp's ClientConnectionResetError and "Connection lost" too)
         raise ClientGone from exc

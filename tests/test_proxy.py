@@ -285,6 +285,53 @@ async def test_a_client_gone_before_the_answer_starts_is_not_an_error(
     assert resp.status == 200
 
 
+@pytest.mark.parametrize("framing", ["small", "large", "chunked"])
+async def test_a_covered_upload_that_stalls_is_cut_and_one_that_trickles_is_not(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture, framing: str
+) -> None:
+    """A client that stopped sending mid-body held its connection, and up to max_request_body bytes, for as
+    long as it stayed connected: nothing bounded the read. It is now cut once no byte came for the route's
+    upstream timeout; a client that keeps sending, however slowly, is not."""
+    proxy = await make_proxy("embedded", upstream={"timeout": "400ms"})
+    size = 100_000 if framing == "large" else 100  # (past SMALL_BODY or not: the two read paths)
+    framing_header = (b"Transfer-Encoding: chunked" if framing == "chunked" else b"Content-Length: %d" % size)
+
+    def head(key: bytes) -> bytes:
+        return (b"POST /v1/charges HTTP/1.1\r\nHost: proxy\r\nAuthorization: t\r\nIdempotency-Key: " + key +
+                b"\r\n" + framing_header + b"\r\n\r\n")
+
+    def piece(data: bytes) -> bytes:
+        return b"%x\r\n%b\r\n" % (len(data), data) if framing == "chunked" else data
+
+    with caplog.at_level(logging.INFO):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(head(b"stall") + piece(b"x" * 10))  # then nothing more, still connected
+        await writer.drain()
+        async with asyncio.timeout(10):
+            assert await reader.read() == b""  # cut, unanswered
+        writer.close()
+    assert "client went away before POST /v1/charges was read whole (TimeoutError)" in caplog.text
+    assert upstream.executed == []
+
+    # a client sending a piece every 150 ms for ~1.2 s (three times the timeout) gets its answer
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(head(b"trickle"))
+    sent = 0
+    for i in range(8):
+        part = b"y" * (size // 8 if i < 7 else size - 7 * (size // 8))
+        writer.write(piece(part))
+        sent += len(part)
+        await writer.drain()
+        await asyncio.sleep(0.15)  # (the pace of a slow client, not a wait for the proxy)
+    if framing == "chunked":
+        writer.write(b"0\r\n\r\n")
+    async with asyncio.timeout(10):
+        status_line = await reader.readline()
+    writer.close()
+    assert status_line.startswith(b"HTTP/1.1 201"), status_line
+    assert sent == size and [len(e.body) for e in upstream.executed] == [size]
+
+
 @pytest.mark.parametrize("head", [
     b"POST /v1/charges HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: half\r\nAuthorization: t\r\n"
     b"Content-Length: 10\r\n\r\n{\"a\"",  # covered, part of its body sent
