@@ -536,7 +536,15 @@ class _ProxyRunner(web.BaseRunner):
 def _transfer_coding(request: web.BaseRequest) -> web.Response | None:
     """A transfer coding other than chunked gets 501 (RFC 9112 §6.1; nginx answers so too): aiohttp takes chunked
     off the end of a list and leaves the rest undecoded, so the body would reach the upstream as something else,
-    no longer named (and be fingerprinted so). The connection closes: the body is not read."""
+    no longer named (and be fingerprinted so). The connection closes: the body is not read.
+
+    HTTP/1.0 has no transfer codings: its framing is faulty whatever the coding (RFC 9112 §6.1), and a hop in
+    front that reads it by Content-Length or to the close would see other requests in the bytes aiohttp decodes
+    as chunked and keeps the connection alive past. 400, and the connection closes."""
+    if request.version < HttpVersion11:
+        refused = BadRequest("HTTP/1.0 has no transfer codings; send the body with Content-Length.").response()
+        refused.force_close()
+        return refused
     codings = ",".join(request.headers.getall("Transfer-Encoding"))
     if codings.isascii() and [coding.strip().lower() for coding in codings.split(",") if coding.strip()] == ["chunked"]:
         return None

@@ -7,6 +7,7 @@ import contextlib
 import gzip
 import json
 import logging
+import re
 import socket
 import time
 from types import SimpleNamespace
@@ -672,6 +673,30 @@ async def test_a_request_in_a_transfer_coding_other_than_chunked_is_501_and_neve
                "Transfer-Encoding: Chunked\r\nConnection: close\r\n\r\n")  # chunked alone, in any case
     status, _, _ = await raw_exchange(proxy.port, chunked, b"5\r\nhello\r\n0\r\n\r\n")
     assert status == 201 and upstream.executed[0].body == b"hello"
+
+
+@pytest.mark.parametrize("target", ["/v1/charges", "/public"])
+async def test_an_http10_request_with_a_transfer_coding_is_400_and_its_connection_closed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, target: str
+) -> None:
+    """HTTP/1.0 has no chunked coding (RFC 9112 §6.1: the framing is faulty, the connection closes). aiohttp
+    decoded it as chunked and kept the connection alive: a front hop reading the body to the close would have
+    seen the request behind it as body bytes, this proxy as a second request it forwarded."""
+    proxy = await make_proxy("embedded")
+    head = (f"POST {target} HTTP/1.0\r\nHost: x\r\nIdempotency-Key: te10\r\nAuthorization: Bearer t1\r\n"
+            "Connection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n")
+    behind = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        writer.write(head.encode() + b"5\r\nhello\r\n0\r\n\r\n" + behind)
+        answer = await asyncio.wait_for(reader.read(), 10)  # until the proxy closes
+    finally:
+        writer.close()
+    response = parse_response(answer)
+    assert response.status == 400, answer
+    assert "HTTP/1.0" in json.loads(response.body)["detail"]
+    assert len(re.findall(rb"(?:^|\r\n)HTTP/1\.[01] \d{3} ", answer)) == 1  # nothing answered for the bytes behind it
+    assert upstream.executed == []
 
 
 async def test_an_escaped_line_break_in_the_path_cannot_forge_a_log_line(
