@@ -88,6 +88,9 @@ access_log = logging.getLogger("idemproxy.access")
 UNGUARDED_HEADER = "Idempotency-Status"
 ANONYMOUS_TENANT = "-"
 _UNKNOWN_STATUSES = frozenset({502, 504})  # the upstream (or a gateway before it) may have executed
+# How long a request waits for the one completion attempt it hurried (a pending answer of its key, held here):
+# a store that hangs rather than refuses does not hold it longer; its claim then meets the same store.
+HURRY_WAIT = 1.0
 SETTLE_CHECK = 0.1  # seconds between looks for completions past settle_timeout (one timer, not one per request)
 
 
@@ -361,6 +364,8 @@ class Engine:
         cached = self.replays.get(tenant, key)
         if cached is not None:  # a completed record this process read lately: no network at all
             return Claim(record=cached, owned=False, now=time.time())
+        if self.settler.named:  # an answer this replica executed for the key and still holds: store it first
+            await self.settler.hurry((tenant, key), HURRY_WAIT)
         token = new_token()
         # The lease is counted from before the claim was sent: the store's clock starts it when the statement
         # starts, and time the statement spent blocked (a row lock, a commit wait) is already gone from it.
@@ -629,6 +634,7 @@ class Engine:
             landed = await self.settler.complete(
                 lambda: self.store.complete(claim, stored, ttl=idem.ttl),
                 size=size, wait=idem.settle_timeout, give_up_after=idem.ttl,
+                name=(claim.record.tenant, claim.record.key),
             )
             if landed:
                 if due.done() and not due.cancelled():  # (set by _overdue: the client has had its 503)

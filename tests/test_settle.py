@@ -301,3 +301,31 @@ async def test_an_unexpected_error_of_a_retry_reaches_the_waiting_caller() -> No
     with pytest.raises(RuntimeError, match="a bug"):
         await settler.complete(run, size=10, wait=5, give_up_after=60)
     assert calls == 2 and settler.pending == 0
+
+
+async def test_a_retry_the_moment_the_store_is_back_gets_the_pending_answer_not_a_second_execution(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str
+) -> None:
+    """The store was away longer than the lease: the record's lease has run out while this replica still holds the
+    executed answer, waiting between two background attempts. A retry sent to it as soon as the store answers must
+    get that answer (a replay), never take the key over and execute it again."""
+    proxy = await make_proxy(storage_section=pg_section(via(pg_relay, clean_pg)),
+                             upstream={"timeout": "1s"}, idempotency={"lease": "3s", "settle_timeout": "200ms"})
+    pending = await started(proxy, upstream, "back-1", headers={"X-Test-Delay": "0.2"})
+    pg_relay.cut()
+    resp, body = await pending
+    assert resp.status == 503 and json.loads(body)["forwarded"] is True
+    assert metric(proxy, "idemproxy_pending_settles") == 1
+    direct = await asyncpg.connect(clean_pg)  # PostgreSQL itself is up: only this proxy's path to it is cut
+    try:
+        async def lease_ran_out() -> bool:
+            return bool(await direct.fetchval(
+                "SELECT lease_expires_at <= now() FROM idemproxy_records WHERE key = 'back-1'"))
+        await until_async(lease_ran_out, timeout=10)
+    finally:
+        await direct.close()
+    pg_relay.restore()
+    again, again_body = await proxy.post("/v1/charges", key="back-1", body=CHARGE)
+    assert upstream.count(key="back-1") == 1, "the key was executed a second time"
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert json.loads(again_body)["serial"] == upstream.executed[-1].serial
