@@ -222,7 +222,9 @@ class Engine:
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         started = time.perf_counter()
         try:
-            route = self.config.route_for(request.path)
+            # An absolute-form target without a path (``POST http://host``) has an empty path here, and means
+            # ``/`` (RFC 3986 §6.2.3): ``/`` is what is forwarded (``request_target``), so ``/``'s route applies.
+            route = self.config.route_for(request.path or "/")
         except AmbiguousPath:  # counted and logged as any refused request, under route "other" (none applies)
             refused = _Exchange(upstream=self.upstreams.for_route(None), outcome=BadRequest.outcome, status=400)
             self._observe(request, "other", refused, started)

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 
 from idemproxy.app import new_request_id
 from tests.conftest import ProxyFactory, RunningProxy, recording_upstream
-from tests.rawhttp import raw_exchange
+from tests.rawhttp import build_request, raw_exchange, send_raw
 from tests.upstream import RecordingUpstream
 
 CHARGE = {"amount": 1000, "currency": "eur"}
@@ -66,6 +66,25 @@ async def test_routes_reach_their_own_upstream_through_their_own_pool(
     assert charges is refunds  # equal settings share one pool
     assert charges.pool is not upstreams.default.pool
     assert upstreams.for_route(config.routes[2]) is upstreams.default is upstreams.for_route(None)
+
+
+async def test_an_absolute_form_target_without_a_path_falls_under_the_root_route(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, upstream_b: RecordingUpstream
+) -> None:
+    """``POST http://host HTTP/1.1`` (or ``http://host?x=1``) means the path ``/`` (RFC 9112 §3.2.2, RFC 3986
+    §6.2.3), and ``/`` is what is forwarded: the route of ``/`` (its policy, its upstream) applies, not the
+    defaults and the top-level upstream."""
+    root = {"prefix": "/", "required": True, "upstream": {"url": upstream_b.url}}
+    proxy = await make_proxy("embedded", routes=[root])
+    headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
+    for target in (b"http://api.example", b"http://api.example?x=1", b"/"):
+        keyless = await send_raw(proxy.url, build_request(b"POST", target, headers, b"{}"))
+        assert keyless.status == 400 and problem(keyless.body)["code"] == "missing_key", target
+    assert upstream.executed == [] and upstream_b.executed == []
+    keyed = [*headers, (b"Idempotency-Key", b"abs-root")]
+    resp = await send_raw(proxy.url, build_request(b"POST", b"http://api.example?x=1", keyed, b"{}"))
+    assert resp.status == 201 and resp.headers["idempotent-replayed"] == "false"
+    assert upstream.executed == [] and [e.path_qs for e in upstream_b.executed] == ["/?x=1"]  # the route's own
 
 
 async def test_a_route_upstream_has_its_own_timeout(
