@@ -390,7 +390,8 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
             log.warning("%s", note)
         log.info(
             "idemproxy serving on %s:%d -> %s (store: %s); admin on %s:%d; effective config: %s",
-            config.listen.host, config.listen.port, ", ".join(SecretURL(u.base).masked() for u in proxy.upstreams),
+            config.listen.host, config.listen.port,
+            ", ".join(dict.fromkeys(SecretURL(u.base).masked() for u in proxy.upstreams)),  # (a URL once)
             proxy.store.backend, config.admin.host, config.admin.port,
             json.dumps(to_plain(config), separators=(",", ":")),
         )

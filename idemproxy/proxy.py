@@ -331,34 +331,40 @@ class Upstream:
 class Upstreams:
     """Every upstream of the config, one pool each, and which one serves a route.
 
-    Routes naming equal upstream settings share one pool; routes naming none use the top-level upstream.
+    The top-level upstream has a pool, and so does each route that names an upstream, even with the same settings
+    as another (README: "its own connection pool"): a route given the same API to keep a slow prefix from
+    starving the rest keeps its own ``max_connections``. Routes naming none use the top-level upstream's pool.
     """
 
     def __init__(self, config: Config, tracer: Tracer | None = None) -> None:
-        self._config = config
-        self._pools: dict[UpstreamConfig, Upstream] = {}
         policy = HeaderPolicy(
             trusted_proxies=config.forwarded.trusted_proxies, request_id_header=config.request_id.header,
         )
-        for upstream in (config.upstream, *(r.upstream for r in config.routes if r.upstream is not None)):
-            self._pools.setdefault(upstream, Upstream(upstream, tracer, policy))
+        self._default = Upstream(config.upstream, tracer, policy)
+        # By the route itself (its position), not its settings: equal routes would share a pool otherwise.
+        self._routes: dict[int, Upstream] = {
+            id(route): Upstream(route.upstream, tracer, policy) for route in config.routes if route.upstream is not None
+        }
+        self._config = config  # (keeps the routes, and so their ids, alive)
 
     @property
     def default(self) -> Upstream:
-        return self._pools[self._config.upstream]
+        return self._default
 
     def for_route(self, route: RouteConfig | None) -> Upstream:
-        return self._pools[self._config.upstream_for(route)]
+        if route is None or route.upstream is None:
+            return self._default
+        return self._routes[id(route)]
 
     def __iter__(self) -> Iterator[Upstream]:
-        return iter(self._pools.values())
+        return iter((self._default, *self._routes.values()))
 
     async def open(self) -> None:
-        for upstream in self._pools.values():
+        for upstream in self:
             await upstream.open()
 
     async def close(self) -> None:
-        for upstream in reversed(self._pools.values()):
+        for upstream in reversed(tuple(self)):
             await upstream.close()
 
 

@@ -63,7 +63,7 @@ async def test_routes_reach_their_own_upstream_through_their_own_pool(
     upstreams = proxy.proxy.upstreams
     config = proxy.proxy.config
     charges, refunds = upstreams.for_route(config.routes[0]), upstreams.for_route(config.routes[1])
-    assert charges is refunds  # equal settings share one pool
+    assert charges.pool is not refunds.pool  # a route naming an upstream has a pool of its own, equal settings or not
     assert charges.pool is not upstreams.default.pool
     assert upstreams.for_route(config.routes[2]) is upstreams.default is upstreams.for_route(None)
 
@@ -85,6 +85,29 @@ async def test_an_absolute_form_target_without_a_path_falls_under_the_root_route
     resp = await send_raw(proxy.url, build_request(b"POST", b"http://api.example?x=1", keyed, b"{}"))
     assert resp.status == 201 and resp.headers["idempotent-replayed"] == "false"
     assert upstream.executed == [] and [e.path_qs for e in upstream_b.executed] == ["/?x=1"]  # the route's own
+
+
+async def test_a_route_naming_an_upstream_is_not_starved_by_another_route_with_equal_settings(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """README: each route may name its own upstream, "its own connection pool". A route given the same API as
+    another (or as the top-level upstream) to keep a slow prefix from starving the rest gets that: its
+    max_connections are its own, whatever the other blocks say."""
+    same = {"url": upstream.url, "timeout": "5s", "connect_timeout": "300ms", "max_connections": 1}
+    proxy = await make_proxy("embedded", upstream=same, routes=[
+        {"prefix": "/slow", "upstream": same},
+        {"prefix": "/other", "upstream": same},
+    ])
+    hanging = asyncio.ensure_future(proxy.post("/slow", method="GET", tenant=None, headers={"X-Test-Hang": "1"}))
+    try:
+        while upstream.count(path="/slow") == 0:
+            await asyncio.sleep(0.01)
+        for path in ("/other", "/v1/charges"):  # the other route's pool, and the top-level one
+            resp, body = await proxy.post(path, key=f"iso{path}", body=CHARGE)
+            assert resp.status == 201, (path, body)
+    finally:
+        upstream.release_hangs()
+        await hanging
 
 
 async def test_a_route_upstream_has_its_own_timeout(
