@@ -676,6 +676,33 @@ async def test_lease_takeover_after_the_lease_runs_out(
     assert proxy.proxy.metrics.lease_takeovers._value.get() == 1
 
 
+@pytest.mark.parametrize("backend", ["embedded", "postgres", "redis", "postgres-one-table"])
+async def test_a_takeover_is_counted_as_one_when_the_ttl_is_no_longer_than_the_lease(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_one_table_dsn: str, backend: str
+) -> None:
+    """A ttl shorter than the lease is valid, and an in-flight record stands for its whole lease: the same request
+    after the lease takes it over (the upstream may execute it twice), and idemproxy_lease_takeovers_total (the
+    IdempotencyLeaseTakeovers alert) must say so. It was counted as an expired record instead."""
+    timing = {"upstream": {"timeout": "300ms"}, "idempotency": {"lease": "1s", "ttl": "500ms"}}
+    if backend == "postgres-one-table":
+        one_table = {"postgres": {"dsn": await empty_records(pg_one_table_dsn), "partitions": "none"}}
+        proxy = await make_proxy(storage_section=one_table, **timing)
+    else:
+        proxy = await make_proxy(backend, **timing)
+    resp, _ = await proxy.post("/v1/charges", key="short-ttl", body=CHARGE, headers={"X-Test-Delay": "0.6"})
+    assert resp.status == 504  # outcome unknown: the lease is kept
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    record = await proxy.proxy.store.get(tenant, "short-ttl")
+    assert record is not None and record.lease_expires_at is not None
+    await asyncio.sleep(max(record.lease_expires_at - time.time(), 0) + 0.05)
+    resp, _ = await proxy.post("/v1/charges", key="short-ttl", body=CHARGE)
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="short-ttl") == 2
+    text = proxy.proxy.metrics.render().decode()
+    assert "idemproxy_lease_takeovers_total 1.0" in text
+    assert "idemproxy_records_expired_total 0.0" in text
+
+
 async def test_ttl_expiry_makes_the_key_usable_again(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:

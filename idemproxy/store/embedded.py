@@ -285,8 +285,14 @@ class EmbeddedStore(Store):
             current = _record(row, None) if row is not None else None
             took_over = replaced = False
             if current is not None:
-                if current.expired(now):
+                if current.expired(now) and not (
+                        # in flight, its ttl no longer than its lease: it stood for its lease, and the same
+                        # request after that takes it over (a second execution, maybe), whatever its ttl said
+                        current.state is State.IN_FLIGHT and current.fingerprint == fingerprint
+                        and current.expires_at <= (current.lease_expires_at or 0.0)):
                     replaced = True
+                elif current.expired(now):
+                    took_over = True
                 elif (current.state is State.IN_FLIGHT and not current.lease_alive(now)
                       and current.fingerprint == fingerprint):
                     took_over = True

@@ -93,7 +93,9 @@ WITH claimed AS (
         lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
         status = NULL, headers = NULL, body = NULL, body_stored = NULL, completed_at = NULL,
         created_at = now(), expires_at = EXCLUDED.expires_at,
-        claim_kind = CASE WHEN r.state = 'in_flight' AND r.expires_at > now()
+        claim_kind = CASE WHEN r.state = 'in_flight'
+                               AND (r.expires_at > now() OR (r.fingerprint = EXCLUDED.fingerprint
+                                                             AND r.expires_at <= r.lease_expires_at))
                           THEN 'takeover' ELSE 'expired' END
     WHERE (r.expires_at <= now() AND NOT (r.state = 'in_flight' AND r.lease_expires_at > now()))
        OR (r.state = 'in_flight' AND r.lease_expires_at <= now()
@@ -185,7 +187,11 @@ BEGIN
         kind := 'new';
     ELSIF (r.expires_at <= t AND NOT (r.state = 'in_flight' AND r.lease_expires_at > t))
        OR (r.state = 'in_flight' AND r.lease_expires_at <= t AND r.fingerprint = p_fp) THEN
-        kind := CASE WHEN r.state = 'in_flight' AND r.expires_at > t THEN 'takeover' ELSE 'expired' END;
+        -- An in-flight record whose ttl ended no later than its lease stood for its lease: the same request
+        -- after it takes the record over (a second execution, maybe), whatever its ttl said.
+        kind := CASE WHEN r.state = 'in_flight'
+                          AND (r.expires_at > t OR (r.fingerprint = p_fp AND r.expires_at <= r.lease_expires_at))
+                     THEN 'takeover' ELSE 'expired' END;
         DELETE FROM {TABLE} x WHERE x.tenant = p_tenant AND x.key = p_key;
     ELSE
         RETURN QUERY SELECT r, false, t;
