@@ -489,9 +489,15 @@ class Engine:
             if forwarded.complete:
                 out = client_response_headers(forwarded.upstream, headers)
                 return upstream_answer(forwarded.upstream.status, forwarded.upstream.reason, out, forwarded.head)
-            return await stream_response(
-                request, forwarded.upstream, head=forwarded.head, extra_headers=headers
-            )
+            # The rest of a body too large to keep comes from the upstream as it is relayed: time waiting on
+            # the upstream, as a pass-through's streamed answer is counted, not the proxy's own overhead.
+            started = time.perf_counter()
+            try:
+                return await stream_response(
+                    request, forwarded.upstream, head=forwarded.head, extra_headers=headers
+                )
+            finally:
+                ex.upstream_seconds += time.perf_counter() - started
         finally:
             forwarded.upstream.release()
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -774,6 +775,26 @@ async def test_metrics_label_routes_and_outcomes(make_proxy: ProxyFactory, upstr
     assert 'idemproxy_store_duration_seconds_count{backend="redis",operation="claim"}' in text
     assert 'idemproxy_store_duration_seconds_count{backend="postgres",operation="complete"}' in text
     assert "idemproxy_in_flight_requests 0.0" in text
+
+
+async def test_overhead_of_a_streamed_answer_leaves_out_the_upstream_s_body_time(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """An answer too large to keep streams on after its head: the upstream's slow body is time waiting on the
+    upstream (as for a pass-through), never the proxy's overhead."""
+    proxy = await make_proxy("postgres", idempotency={"max_stored_response": 1024})
+    # 5 chunks of 2 KiB, 0.2 s apart: the body takes 0.8 s to come, after the first 1 KiB settled the key
+    resp, body = await proxy.post("/v1/charges", key="slow-big", body=CHARGE, headers={"X-Test-Trickle": "5,0.2"})
+    assert resp.status == 201 and len(body) == 5 * 2048
+    text = proxy.proxy.metrics.render().decode()
+
+    def total(name: str, labels: str = "") -> float:
+        found = re.search(rf"^{name}_sum{labels} (\S+)$", text, re.M)
+        assert found is not None, name
+        return float(found.group(1))
+
+    assert total("idemproxy_upstream_duration_seconds") >= 0.7
+    assert total("idemproxy_overhead_seconds", '{outcome="forwarded"}') < 0.3
 
 
 async def test_sweeper_counts_removed_records(
