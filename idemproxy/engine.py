@@ -101,6 +101,7 @@ class _Exchange:
     upstream: Upstream  # the route's upstream, chosen once per request
     outcome: str = "passthrough"
     upstream_seconds: float = 0.0
+    waited_seconds: float = 0.0  # (wait mode) time waiting for another request's upstream answer
     tenant: str = ""
     key: str = ""
     status: int = 0
@@ -257,7 +258,7 @@ class Engine:
         counted = self.metrics.per_request(route, request.method, ex.outcome)
         counted.count()
         counted.duration(total)
-        counted.overhead(max(total - ex.upstream_seconds, 0.0))
+        counted.overhead(max(total - ex.upstream_seconds - ex.waited_seconds, 0.0))
         if ex.upstream_seconds:
             self.metrics.observe_upstream(ex.upstream_seconds)
         if self._access_level is None or not access_log.isEnabledFor(self._access_level):
@@ -324,7 +325,7 @@ class Engine:
                 request.method, request_target(request), headers, body, canonical=idem.canonical_json)
         try:
             with self.tracer.span("idemproxy.claim") as span:
-                claim = await self._claim(tenant, key, fp, idem)
+                claim = await self._claim(tenant, key, fp, idem, ex)
                 span.set_attribute("idemproxy.owned", claim.owned)
         except StoreUnavailable as exc:
             # An unreadable record stands for a request already executed: never forward it again, even fail_open.
@@ -341,8 +342,11 @@ class Engine:
         """The tenant id for a tenant header value (the same rule the admin API uses)."""
         return tenant_id(self.config.tenant, value)
 
-    async def _claim(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
-        """Claim the key; in ``wait`` mode, wait (woken by the store's notifications) for the owner."""
+    async def _claim(
+        self, tenant: str, key: str, fp: str, idem: IdempotencyConfig, ex: _Exchange | None = None
+    ) -> Claim:
+        """Claim the key; in ``wait`` mode, wait (woken by the store's notifications) for the owner. The wait
+        is time waiting on the owner's upstream, not the proxy's overhead (``ex.waited_seconds``)."""
         if idem.in_flight == "reject":
             return await self._claim_once(tenant, key, fp, idem)
         loop = asyncio.get_running_loop()
@@ -359,8 +363,13 @@ class Engine:
                     return claim
                 lease_left = (record.lease_expires_at or claim.now) - claim.now
                 # Past the lease the record may be taken over, so look again then at the latest.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed, min(remaining, max(lease_left, 0.01)))
+                waiting = time.perf_counter()
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed, min(remaining, max(lease_left, 0.01)))
+                finally:
+                    if ex is not None:
+                        ex.waited_seconds += time.perf_counter() - waiting
 
     async def _claim_once(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
         cached = self.replays.get(tenant, key)

@@ -797,6 +797,31 @@ async def test_overhead_of_a_streamed_answer_leaves_out_the_upstream_s_body_time
     assert total("idemproxy_overhead_seconds", '{outcome="forwarded"}') < 0.3
 
 
+async def test_overhead_of_a_wait_leaves_out_the_owner_s_upstream_time(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """In ``wait`` mode a duplicate waits while the owner's upstream works: that is time waiting on the upstream,
+    never the proxy's overhead (which the overhead alert reads as a slow store)."""
+    proxy = await make_proxy("postgres", idempotency={"in_flight": "wait"})
+    owner = asyncio.ensure_future(proxy.post("/v1/charges", key="waited", body=CHARGE,
+                                             headers={"X-Test-Delay": "1"}))
+    while upstream.count(key="waited") == 0:
+        await asyncio.sleep(0.01)
+    resp, _ = await proxy.post("/v1/charges", key="waited", body=CHARGE)  # waits about 1 s for the owner
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "true"
+    assert (await owner)[0].status == 201
+    text = proxy.proxy.metrics.render().decode()
+
+    def total(name: str) -> float:
+        found = re.search(rf'^{name}_sum{{outcome="replayed"}} (\S+)$', text, re.M)
+        assert found is not None, name
+        return float(found.group(1))
+
+    assert total("idemproxy_request_duration_seconds") >= 0.5
+    assert total("idemproxy_overhead_seconds") < 0.3
+    assert upstream.count(key="waited") == 1
+
+
 async def test_sweeper_counts_removed_records(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_one_table_dsn: str
 ) -> None:
