@@ -741,7 +741,11 @@ class Engine:
             finally:
                 upstream.release()
 
-        return await self._timed_upstream(ex, call)
+        self._in_flight_up()  # a covered request being forwarded, if unguarded: idemproxy_in_flight_requests
+        try:
+            return await self._timed_upstream(ex, call)
+        finally:
+            self._in_flight_down()
 
 
 def _annotate(span: Span, ex: _Exchange) -> None:

@@ -314,6 +314,27 @@ async def test_postgres_down_fail_open_forwards_unguarded(
     await until(lambda: 'outcome="store_error"' in proxy.proxy.metrics.render().decode())
 
 
+async def test_an_unguarded_forward_is_a_covered_request_in_flight(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, own_pg: PostgresServer, own_pg_dsn: str
+) -> None:
+    """idemproxy_in_flight_requests counts covered requests being forwarded: with fail_open during an outage,
+    those are the unguarded ones (it read 0 while they were at the upstream)."""
+    proxy = await make_proxy(storage_section=pg_section(own_pg_dsn, on_store_error="fail_open"))
+    own_pg.stop()
+
+    def in_flight() -> str:
+        text = proxy.proxy.metrics.render().decode()
+        return next(line for line in text.splitlines() if line.startswith("idemproxy_in_flight_requests "))
+
+    pending = asyncio.ensure_future(proxy.post("/v1/charges", key="open-slow", body=CHARGE,
+                                               headers={"X-Test-Delay": "1"}))
+    await until(lambda: upstream.count(key="open-slow") == 1)
+    assert in_flight() == "idemproxy_in_flight_requests 1.0"
+    resp, _ = await pending
+    assert resp.status == 201 and resp.headers["Idempotency-Status"] == "unguarded"
+    await until(lambda: in_flight() == "idemproxy_in_flight_requests 0.0")
+
+
 @pytest.mark.parametrize("forward_key", [True, False])
 async def test_an_unguarded_forward_sends_the_key_as_a_guarded_one_would(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, own_pg: PostgresServer, own_pg_dsn: str,
