@@ -57,12 +57,13 @@ class Relay:
         self.port = 0
         self.accepted = 0  # connections accepted while forwarding (counted in the relay's loop)
         self.refused = 0  # connections accepted and closed at once while cut
-        self._mode = "open"  # open | cut | stalled
+        self._mode = "open"  # open | cut | stalled | muted
         self._links: set[_Link] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()  # every stream opened, aborted at shutdown
         self._server: asyncio.Server | None = None
         self._flowing: asyncio.Event | None = None
+        self._answering: asyncio.Event | None = None  # clear while muted: the target's bytes are held
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"relay-{name}", daemon=True)
         self._thread.start()
@@ -79,6 +80,11 @@ class Relay:
 
     def stall(self) -> None:
         self._call(self._stall())
+
+    def mute(self) -> None:
+        """Requests go on reaching the target, its answers are held (until ``restore``): the target did the
+        work, and its client waits for a reply that comes late, if ever."""
+        self._call(self._mute())
 
     def restore(self) -> None:
         self._call(self._restore())
@@ -122,6 +128,8 @@ class Relay:
     async def _listen(self) -> None:
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._answering = asyncio.Event()
+        self._answering.set()
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
@@ -130,8 +138,9 @@ class Relay:
 
     async def _cut(self) -> None:
         self._mode = "cut"
-        assert self._flowing is not None
+        assert self._flowing is not None and self._answering is not None
         self._flowing.set()  # held pumps wake up, see their transports gone and end
+        self._answering.set()
         self._abort_all()
 
     async def _stall(self) -> None:
@@ -139,10 +148,16 @@ class Relay:
         assert self._flowing is not None
         self._flowing.clear()
 
+    async def _mute(self) -> None:
+        self._mode = "muted"
+        assert self._answering is not None
+        self._answering.clear()
+
     async def _restore(self) -> None:
         self._mode = "open"
-        assert self._flowing is not None
+        assert self._flowing is not None and self._answering is not None
         self._flowing.set()
+        self._answering.set()
 
     async def _shutdown(self) -> None:
         self._mode = "cut"
@@ -188,7 +203,7 @@ class Relay:
                 return  # the target is down: the client sees its connection closed
             if self._mode == "cut":  # cut while connecting
                 return
-            await asyncio.gather(self._pump(reader, link.target), self._pump(target_reader, writer))
+            await asyncio.gather(self._pump(reader, link.target), self._pump(target_reader, writer, answers=True))
         finally:
             self._links.discard(link)
             if self._mode != "cut":
@@ -198,12 +213,15 @@ class Relay:
             if link.target is not None:
                 self._writers.discard(link.target)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Copy one direction until EOF or an error; EOF is passed on as a half-close."""
-        assert self._flowing is not None
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answers: bool = False) -> None:
+        """Copy one direction until EOF or an error; EOF is passed on as a half-close. ``answers``: the target's
+        direction, held while muted."""
+        assert self._flowing is not None and self._answering is not None
         try:
             while data := await reader.read(CHUNK):
                 await self._flowing.wait()
+                if answers:
+                    await self._answering.wait()
                 if writer.transport.is_closing():
                     return
                 writer.write(data)

@@ -255,6 +255,33 @@ async def test_a_release_right_after_redis_came_back_is_not_refused(
     assert upstream.count(key="back") == 2
 
 
+@pytest.mark.parametrize("client", ["lean", "redis-py"])
+async def test_a_lock_whose_claim_reply_came_late_never_answers_409_for_the_completed_key(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    redis_relay: Relay, client: str,
+) -> None:
+    """Redis ran the claim script (the lock is ours) but its reply came after SOCKET_TIMEOUT: the proxy took
+    Redis for failed and did not know it held the lock. PostgreSQL decided, the answer was stored, and the
+    completion's Redis step was skipped (the breaker rests): nothing dropped that lock, and for up to LOCK_MAX
+    every retry met it and was answered 409 from Redis alone for a key PostgreSQL holds completed."""
+    relayed = through(redis_relay, redis_url, client)
+    proxy = await make_proxy(storage_section=section(clean_pg, relayed, redis_prefix))
+    store = fronted(proxy)
+    assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201  # connections open
+    lock = store._keys(proxy.proxy.engine.resolve_tenant_value("Bearer t1"), "late")[0]
+    direct = sync_redis.Redis.from_url(redis_url)
+    redis_relay.mute()  # the claim reaches Redis and runs; its reply is held
+    first, _ = await proxy.post("/v1/charges", key="late", body=CHARGE)
+    assert first.status == 201 and first.headers["Idempotent-Replayed"] == "false"
+    assert direct.exists(lock)  # the claim ran: the lock is there, ours, with nobody behind it
+    redis_relay.restore()
+    await until(lambda: not direct.exists(lock), timeout=BREAKER_COOLDOWN + 3)  # (it would stand LOCK_MAX)
+    again, _ = await proxy.post("/v1/charges", key="late", body=CHARGE)
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="late") == 1
+    direct.close()
+
+
 async def test_a_completion_racing_a_release_cannot_bring_the_record_back_into_the_cache(
     make_proxy: ProxyFactory, clean_pg: str, redis_url: str, redis_prefix: str
 ) -> None:

@@ -154,7 +154,8 @@ _ScriptCall = tuple[Any, list[str], list[Any]]  # a registered script, its keys,
 @dataclass(frozen=True)
 class _Fast:
     kind: str  # completed | in_flight | acquired; or, to ask the durable store: foreign (a lock with another
-    # fingerprint), young (a lock whose claim may not be decided yet)
+    # fingerprint), young (a lock whose claim may not be decided yet), unknown (the script was sent and Redis
+    # failed: it may have run, and the lock be ours)
     record: Record | None = None
     epoch: str = UNKNOWN_EPOCH
     now: float | None = None  # with a record: now, on the clock its times were written by
@@ -164,12 +165,12 @@ class _FastStep:
     """One Redis step (``RedisFrontedStore._fast``): skipped while the breaker is open; its errors swallowed
     (noted, breaker opened); its duration observed when Redis was used."""
 
-    __slots__ = ("_operation", "_started", "_store", "usable")
+    __slots__ = ("_operation", "_started", "_store", "tried", "usable")
 
     def __init__(self, store: RedisFrontedStore, operation: str) -> None:
         self._store = store
         self._operation = operation
-        self.usable = time.monotonic() >= store._down_until
+        self.usable = self.tried = time.monotonic() >= store._down_until  # tried: not skipped (it may have failed)
         self._started = 0.0
 
     def __enter__(self) -> _FastStep:
@@ -511,7 +512,9 @@ class RedisFrontedStore(Store):
                     lease_token=None, lease_expires_at=lease_end, response=None,
                     created_at=now, completed_at=None, expires_at=lease_end,
                 ), now=now)
-        return None
+        # Sent and failed (a reply later than SOCKET_TIMEOUT, a connection cut after the write): the script may
+        # have run and the lock be ours, with nobody to drop it. Skipped (the breaker rests): nothing was sent.
+        return _Fast("unknown") if step.tried else None
 
     async def claim(
         self, tenant: str, key: str, fingerprint: str, *, lease: float, ttl: float,
@@ -522,8 +525,9 @@ class RedisFrontedStore(Store):
         if fast is not None and fast.record is not None:
             return Claim(record=fast.record, owned=False, now=time.time() if fast.now is None else fast.now)
         # Redis granted the lock, could not answer, or named another fingerprint: the durable store decides
-        # (guarantee 4).
-        locked = fast is not None and fast.kind == "acquired"
+        # (guarantee 4). A lock Redis may have granted is dropped as one it did (fenced by the token: harmless
+        # if it never was), in the background if Redis still fails then.
+        locked = fast is not None and fast.kind in ("acquired", "unknown")
         epoch = fast.epoch if fast is not None else UNKNOWN_EPOCH
         try:
             claim = await self.durable.claim(
