@@ -102,13 +102,19 @@ class HeaderPolicy:
 # the proxy's, and the body goes upstream whole with the head, as Envoy does by default).
 _NOT_FORWARDED = ("host", "expect")
 _CONTENT_LENGTH = ("content-length",)
-# Forwarding headers this hop writes, under the names an upstream may read them by as well: RFC 7239's
-# Forwarded (for=, proto=, host=) and the X-Forwarded-* names spelled with underscores, which CGI/WSGI servers
-# fold into the same HTTP_X_FORWARDED_* variable as the hyphenated one. From a peer not trusted they are
-# dropped: passed on, they would let a client forge what this hop vouches for.
-_FORGEABLE = ("Forwarded", *(
-    f"X{a}Forwarded{b}{name}" for name in ("For", "Proto", "Host") for a in "-_" for b in "-_" if a + b != "--"
-))
+
+
+def _forged(name: str) -> bool:
+    """A header only a proxy may write, about the client's hop: the upstream trusts this proxy, so it believes
+    every such header this proxy passes on. RFC 7239's Forwarded, X-Real-IP, and the whole X-Forwarded-* family
+    (-Proto, -Host, -Port, -Prefix, -Ssl, -Scheme... which frameworks read) in any spelling (CGI/WSGI servers
+    read an underscore as a hyphen: X_Forwarded_Host is HTTP_X_FORWARDED_HOST). X-Forwarded-For itself is kept
+    and appended to, as the contract says."""
+    lowered = name.lower()
+    if lowered == "x-forwarded-for":
+        return False
+    folded = lowered.replace("_", "-")
+    return folded.startswith("x-forwarded-") or folded in ("forwarded", "x-real-ip")
 
 
 def hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
@@ -143,19 +149,20 @@ def upstream_request_headers(
 
     X-Forwarded-Proto/-Host sent by a trusted proxy (``forwarded.trusted_proxies``) describe the client's
     original request and pass through; from anyone else they could be forged, so this hop sets them, and drops
-    the other spellings an upstream could read the same facts from (``Forwarded``, ``X_Forwarded_Host``...).
+    every other header an upstream could read the client's hop from (``_forged``).
     """
     # What came in, hop-by-hop headers gone: an X-Forwarded-* the client named in Connection is not passed on,
     # nor appended to.
     headers = filter_headers(request.headers, drop=(*_NOT_FORWARDED, *drop) if drop else _NOT_FORWARDED)
+    trusted = policy.trusts(request.remote)
+    if not trusted:
+        names = " ".join(headers.keys()).lower()  # (one search in C first: most requests carry none)
+        if "forwarded" in names or "real" in names:
+            for name in [name for name in headers.keys() if _forged(name)]:
+                headers.popall(name, None)
     remote = request.remote or ""
     forwarded_for = ", ".join([*headers.getall("X-Forwarded-For", ()), remote])
     headers["X-Forwarded-For"] = forwarded_for.strip(", ")
-    trusted = policy.trusts(request.remote)
-    if not trusted:
-        for name in _FORGEABLE:
-            if name in headers:
-                headers.popall(name)
     if not (trusted and "X-Forwarded-Proto" in headers):
         headers["X-Forwarded-Proto"] = request.scheme
     if not (trusted and "X-Forwarded-Host" in headers):

@@ -151,7 +151,9 @@ async def test_forwarded_headers_from_an_untrusted_peer_are_set_by_this_hop(
 
 
 FORGED = {"Forwarded": "for=6.6.6.6;proto=https;host=shop-a.example", "X_Forwarded_Host": "shop-a.example",
-          "X-Forwarded_Proto": "https", "X_Forwarded_For": "6.6.6.6"}
+          "X-Forwarded_Proto": "https", "X_Forwarded_For": "6.6.6.6", "X-Forwarded-Port": "443",
+          "X-Forwarded-Prefix": "/admin", "x-forwarded-ssl": "on", "X_Forwarded_Scheme": "https",
+          "X-Real-IP": "6.6.6.6", "X_Real_Ip": "6.6.6.6"}
 
 
 @pytest.mark.parametrize("covered", [False, True])
@@ -159,14 +161,17 @@ FORGED = {"Forwarded": "for=6.6.6.6;proto=https;host=shop-a.example", "X_Forward
 async def test_other_spellings_of_the_forwarding_headers_pass_only_from_a_trusted_peer(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, covered: bool, trusted: bool
 ) -> None:
-    """RFC 7239 ``Forwarded`` says what X-Forwarded-* say, and a CGI/WSGI upstream reads ``X_Forwarded_Host``
-    as X-Forwarded-Host: from a peer not trusted they went on as sent, so a client could name the shop, the
-    scheme or the address this hop vouches for."""
+    """RFC 7239 ``Forwarded`` says what X-Forwarded-* say, a CGI/WSGI upstream reads ``X_Forwarded_Host`` as
+    X-Forwarded-Host, and frameworks read X-Real-IP and more of the X-Forwarded-* family (-Port, -Prefix, -Ssl):
+    from a peer not trusted they went on as sent, so a client could name the shop, the scheme or the address
+    this hop vouches for. A header that merely looks alike is no forwarding header and passes."""
     networks = ["127.0.0.0/8", "::1"] if trusted else ["10.0.0.0/8"]
     proxy = await make_proxy("embedded", forwarded={"trusted_proxies": networks})
-    resp, _ = await proxy.post("/f", headers=FORGED, body=CHARGE, key="fs" if covered else None)
+    resp, _ = await proxy.post("/f", headers={**FORGED, "X-Forwardedness": "1", "X-Realm": "r"}, body=CHARGE,
+                               key="fs" if covered else None)
     assert resp.status == 201
     seen = upstream.executed[0].headers
+    assert seen["X-Forwardedness"] == "1" and seen["X-Realm"] == "r"
     for name, value in FORGED.items():
         assert seen.getall(name, []) == ([value] if trusted else []), name
     assert seen.getall("X-Forwarded-For") == ["127.0.0.1"]
