@@ -88,6 +88,9 @@ access_log = logging.getLogger("idemproxy.access")
 UNGUARDED_HEADER = "Idempotency-Status"
 ANONYMOUS_TENANT = "-"
 _UNKNOWN_STATUSES = frozenset({502, 504})  # the upstream (or a gateway before it) may have executed
+# Claims a reject-mode request makes past records in their grace (store.base.TAKEOVER_GRACE) before it answers
+# with what the store says: one to meet the grace, one after it, and one more for a row read stale.
+GRACE_ROUNDS = 3
 # How long a request waits for the one completion attempt it hurried (a pending answer of its key, held here):
 # a store that hangs rather than refuses does not hold it longer; its claim then meets the same store.
 HURRY_WAIT = 1.0
@@ -346,9 +349,24 @@ class Engine:
         self, tenant: str, key: str, fp: str, idem: IdempotencyConfig, ex: _Exchange | None = None
     ) -> Claim:
         """Claim the key; in ``wait`` mode, wait (woken by the store's notifications) for the owner. The wait
-        is time waiting on the owner's upstream, not the proxy's overhead (``ex.waited_seconds``)."""
+        is time waiting on the owner's upstream, not the proxy's overhead (``ex.waited_seconds``).
+
+        A record whose lease ran out is given TAKEOVER_GRACE by the store before a claim may take it over (its
+        owner may still land the answer it holds): a request that meets it waits that out, in either mode, and
+        claims again: it then takes the key over, or finds the owner's answer."""
         if idem.in_flight == "reject":
-            return await self._claim_once(tenant, key, fp, idem)
+            claim = await self._claim_once(tenant, key, fp, idem)
+            for _ in range(GRACE_ROUNDS):
+                if not _lapsed(claim, fp):
+                    return claim
+                waiting = time.perf_counter()
+                # The grace (and a hair more: the store judges by its transaction's start), or nothing: the row
+                # was read stale.
+                await asyncio.sleep(max(claim.lease_left() + 0.01, 0.0))
+                if ex is not None:
+                    ex.waited_seconds += time.perf_counter() - waiting
+                claim = await self._claim_once(tenant, key, fp, idem)
+            return claim
         loop = asyncio.get_running_loop()
         deadline = loop.time() + idem.wait_timeout
         while True:
@@ -746,6 +764,16 @@ class Engine:
             return await self._timed_upstream(ex, call)
         finally:
             self._in_flight_down()
+
+
+def _lapsed(claim: Claim, fp: str) -> bool:
+    """Not owned, and the record is this payload's in flight with its lease run out: in its grace, or (a claim
+    that read the row as it was before a concurrent claim gave the grace) not even that yet."""
+    if claim.owned:
+        return False
+    record = claim.record
+    return claim.grace or (record.state is State.IN_FLIGHT and record.fingerprint == fp
+                           and not record.lease_alive(claim.now))
 
 
 def _annotate(span: Span, ex: _Exchange) -> None:

@@ -416,8 +416,11 @@ async def decisions(store: PostgresStore, prefix: str, *, together: bool) -> lis
     forged = Claim(record=replace(owner.record, lease_token="forged"), owned=True, now=owner.now)
     steps += [(await complete(forged),), (await complete(owner),), seen(await claim("k", FP), owner)]
     lapsed = await claim("lapsed", FP, lease=0)  # its lease ran out as it was granted
+    graced = await claim("lapsed", FP)  # the lease's grace first (TAKEOVER_GRACE): the record stands, the owner's
+    assert graced.grace
+    await asyncio.sleep(max((graced.record.lease_expires_at or 0) - time.time(), 0) + 0.02)
     taker = await claim("lapsed", FP)
-    steps += [seen(taker, taker), (await complete(lapsed),), (await complete(taker),)]
+    steps += [seen(graced, lapsed), seen(taker, taker), (await complete(lapsed),), (await complete(taker),)]
     return steps
 
 
@@ -433,7 +436,8 @@ async def test_a_lone_call_runs_the_per_key_function_and_decides_as_a_batched_on
         (False, False, False, "in_flight", FP, True, None, True),  # another payload: the record, for a 422
     ]
     assert batched[3:6] == [(False,), (True,), (False, False, False, "completed", FP, False, OK, True)]
-    assert batched[6:] == [(True, True, False, "in_flight", FP, True, None, True), (False,), (True,)]
+    assert batched[6:] == [(False, False, False, "in_flight", FP, True, None, True),  # in its grace
+                           (True, True, False, "in_flight", FP, True, None, True), (False,), (True,)]
     conn = await asyncpg.connect(clean_pg)
     await conn.execute("DROP FUNCTION idemproxy_claim_many, idemproxy_complete_many")
     await conn.close()
@@ -469,8 +473,8 @@ async def mixed_claims(store: PostgresStore, dsn: str, prefix: str, *, together:
     calls = [("new-1", FP, 60), ("twice", FP, 60), ("done", FP, 60), ("twice", FP, 60), ("expired", FP, 60),
              ("alive", FP, 60), ("lapsed", FP, 60), ("other", "e" * 64, 60), ("done", "e" * 64, 60),
              ("new-2", FP, 10),  # a ttl shorter than the lease: the record lives as long as the lease
-             ("lapsed", FP, 60),  # after its first call took it over: in flight, the new owner's
-             ("other", FP, 60)]  # lapsed under this payload: taken over, though the earlier call could not
+             ("lapsed", FP, 60),  # after its first call gave it its grace: in flight, the owner's still
+             ("other", FP, 60)]  # lapsed under this payload: its grace, though the earlier call could not
     if together:
         batches = store._claims.batches
         claims = await asyncio.gather(*(store.claim("t", key(k), fp, lease=30, ttl=ttl) for k, fp, ttl in calls))
@@ -481,7 +485,8 @@ async def mixed_claims(store: PostgresStore, dsn: str, prefix: str, *, together:
     seen: list[tuple[object, ...]] = []
     for (name, _, _), claim in zip(calls, claims, strict=True):
         record, earlier = claim.record, before.get(name)
-        seen.append((name, claim.owned, claim.took_over, claim.replaced_expired, record.state, record.fingerprint,
+        seen.append((name, claim.owned, claim.took_over, claim.grace, claim.replaced_expired, record.state,
+                     record.fingerprint,
                      record.lease_token == claim.token if claim.owned else record.lease_token == (
                          earlier.token if earlier is not None else None),
                      record.response, round(record.expires_at - record.created_at) if claim.owned else None,
@@ -497,12 +502,14 @@ async def test_a_batch_mixing_every_kind_of_claim_decides_each_as_one_call_alone
     batched = await mixed_claims(pg_store, clean_pg, "b-", together=True)
     alone = await mixed_claims(pg_store, clean_pg, "a-", together=False)
     assert batched == alone
-    owned = {name: (took_over, expired) for name, owner, took_over, expired, *_ in batched if owner}
+    owned = {name: (took_over, expired) for name, owner, took_over, _, expired, *_ in batched if owner}
     assert owned == {"new-1": (False, False), "twice": (False, False), "expired": (False, True),
-                     "lapsed": (True, False), "new-2": (False, False), "other": (True, False)}
-    assert [row[0] for row in batched if row[0] in ("twice", "lapsed") and not row[1]] == ["twice", "lapsed"]
-    assert next(row for row in batched if row[0] == "done" and row[5] == FP)[7] == OK  # a replay
-    assert [row[8] for row in batched if str(row[0]).startswith("new")] == [60, 30]  # expiry: the ttl, or the lease
+                     "new-2": (False, False)}
+    # a lapsed lease is given its grace by the first call of its payload; the later one finds it standing
+    assert [(row[0], row[3]) for row in batched if row[0] in ("lapsed", "other")] == [
+        ("lapsed", True), ("other", False), ("lapsed", True), ("other", True)]
+    assert next(row for row in batched if row[0] == "done" and row[6] == FP)[8] == OK  # a replay
+    assert [row[9] for row in batched if str(row[0]).startswith("new")] == [60, 30]  # expiry: the ttl, or the lease
 
 
 async def claim_behind_a_lock(store: PostgresStore, dsn: str, key: str, *, together: bool) -> tuple[Claim, float]:

@@ -57,6 +57,18 @@ async def until_async(condition: Callable[[], Awaitable[bool]], timeout: float =
         await asyncio.sleep(0.05)
 
 
+async def lease_run_out(dsn: str, key: str) -> None:
+    """Until ``key``'s lease has run out, as PostgreSQL itself sees it (the proxy's own path to it may be cut)."""
+    direct = await asyncpg.connect(dsn)
+    try:
+        async def ran_out() -> bool:
+            return bool(await direct.fetchval(
+                "SELECT lease_expires_at <= now() FROM idemproxy_records WHERE key = $1", key))
+        await until_async(ran_out, timeout=10)
+    finally:
+        await direct.close()
+
+
 @pytest.fixture
 async def cut_proxy(make_proxy: ProxyFactory, pg_relay: Relay, clean_pg: str) -> AsyncIterator[RunningProxy]:
     """A proxy on PostgreSQL alone, reached through the relay."""
@@ -316,16 +328,35 @@ async def test_a_retry_the_moment_the_store_is_back_gets_the_pending_answer_not_
     resp, body = await pending
     assert resp.status == 503 and json.loads(body)["forwarded"] is True
     assert metric(proxy, "idemproxy_pending_settles") == 1
-    direct = await asyncpg.connect(clean_pg)  # PostgreSQL itself is up: only this proxy's path to it is cut
-    try:
-        async def lease_ran_out() -> bool:
-            return bool(await direct.fetchval(
-                "SELECT lease_expires_at <= now() FROM idemproxy_records WHERE key = 'back-1'"))
-        await until_async(lease_ran_out, timeout=10)
-    finally:
-        await direct.close()
+    await lease_run_out(clean_pg, "back-1")
     pg_relay.restore()
     again, again_body = await proxy.post("/v1/charges", key="back-1", body=CHARGE)
     assert upstream.count(key="back-1") == 1, "the key was executed a second time"
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert json.loads(again_body)["serial"] == upstream.executed[-1].serial
+
+
+@pytest.mark.parametrize("fronted", [False, True], ids=["postgres", "redis"])
+async def test_a_retry_reaching_another_replica_as_the_store_comes_back_gets_the_answer_not_a_second_execution(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str, redis_url: str,
+    redis_prefix: str, fronted: bool,
+) -> None:
+    """The store was away from the replica holding the executed answer for longer than the lease. As it came
+    back, a retry sent to *another* replica claimed first, found the lease run out and took the key over: the
+    payment ran a second time, and the holder's completion (retried at most 0.5 s apart) was refused. The store
+    now gives a lapsed lease a grace (TAKEOVER_GRACE) before a takeover; the retry waits it out, and meanwhile
+    the holder's completion lands: the retry is a replay."""
+    timing = {"upstream": {"timeout": "1s"}, "idempotency": {"lease": "3s", "settle_timeout": "200ms"}}
+    redis = {"redis": {"url": redis_url, "key_prefix": redis_prefix}} if fronted else {}
+    holder = await make_proxy(storage_section={**pg_section(via(pg_relay, clean_pg)), **redis}, **timing)
+    other = await make_proxy(storage_section={**pg_section(clean_pg), **redis}, **timing)
+    pending = await started(holder, upstream, "across-1", headers={"X-Test-Delay": "0.2"})
+    pg_relay.cut()
+    resp, body = await pending
+    assert resp.status == 503 and json.loads(body)["forwarded"] is True
+    await lease_run_out(clean_pg, "across-1")
+    pg_relay.restore()  # the holder's next attempt comes within 0.5 s; the retry reaches the other first
+    again, again_body = await other.post("/v1/charges", key="across-1", body=CHARGE)
+    assert upstream.count(key="across-1") == 1, "the key was executed a second time"
     assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
     assert json.loads(again_body)["serial"] == upstream.executed[-1].serial

@@ -33,6 +33,14 @@ from idemproxy.problems import RecordUnreadable, StoreUnavailable
 
 _T = TypeVar("_T")
 
+# A shared store does not hand an in-flight record whose lease ran out to the first retry that finds it: it gives
+# the lease this much more, once (the record "in its grace"), and the next claim after that takes it over. The
+# owner may be alive and holding the executed answer, its completion refused by a store that was away longer than
+# the lease and retried at most MAX_RETRY_GAP (0.5 s) apart: when the store comes back, a retry reaching another
+# replica first would otherwise take the key over and execute it a second time. The request that meets a record
+# in its grace waits it out and claims again (engine.py); a crashed owner's key is taken over this much later.
+TAKEOVER_GRACE = 1.0
+
 
 def quick_init(cls: type[_T]) -> type[_T]:
     """Give a frozen dataclass an ``__init__`` that writes the new instance's ``__dict__`` directly, with the same
@@ -132,6 +140,7 @@ class Claim:
     # This process's monotonic clock when the answer arrived: lease deadlines are computed from it, never
     # from the wall clock, so a clock step cannot stretch a background retry past the lease.
     received: float = field(default_factory=time.monotonic, compare=False)
+    grace: bool = False  # not owned: an in-flight record in its TAKEOVER_GRACE (its lease had run out)
 
     def lease_left(self) -> float:
         """Seconds until the lease runs out, measured on this process's monotonic clock."""
@@ -150,12 +159,12 @@ class Claim:
     def received_at(self, received: float) -> Claim:
         """This claim, its answer counted as arrived at ``received`` (this process's monotonic clock)."""
         return Claim(self.record, self.owned, self.now, self.took_over, self.replaced_expired, self.cache_epoch,
-                     self.cache_lock, received)
+                     self.cache_lock, received, self.grace)
 
     def with_epoch(self, cache_epoch: str, cache_lock: bool = False) -> Claim:
         """This claim, with what the cache in front of the durable store read first, and whether it locked."""
         return Claim(self.record, self.owned, self.now, self.took_over, self.replaced_expired, cache_epoch,
-                     cache_lock, self.received)
+                     cache_lock, self.received, self.grace)
 
 
 class _Measured:
@@ -303,7 +312,9 @@ class Store(ABC):
         lease ``lease`` seconds;
         record kept ``ttl`` seconds) when no record exists, when the record expired, or when it is IN_FLIGHT
         with its lease run out *and* the same fingerprint (a takeover). Otherwise nothing changes and the
-        standing record is returned with ``owned`` False.
+        standing record is returned with ``owned`` False. A store shared by several processes (PostgreSQL) first
+        gives such a record TAKEOVER_GRACE more (returned with ``grace``), and takes it over only at a claim after
+        that; a store of one process (embedded) has no other replica to wait for and takes it over at once.
         """
 
     @abstractmethod

@@ -19,7 +19,7 @@ import asyncpg
 from idemproxy.config import PostgresConfig
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreRejected, StoreUnavailable
-from idemproxy.store.base import Claim, Health, Record, State, Store, StoredResponse, new_token
+from idemproxy.store.base import TAKEOVER_GRACE, Claim, Health, Record, State, Store, StoredResponse, new_token
 from idemproxy.store.batch import Batcher, follow_up
 from idemproxy.store.codec import Codec
 
@@ -82,12 +82,22 @@ _COLUMNS = (
 # committed by another transaction *after* that snapshot was taken, ON CONFLICT sees it (it waits for and
 # locks the row) but the SELECT does not, and the statement returns no row at all. The caller then runs
 # it again; the next snapshot sees the row.
+_GRACE = f"make_interval(secs => {TAKEOVER_GRACE})"
 _CLAIM = f"""
-WITH claimed AS (
+WITH graced AS (
+    -- The first claim to find the lease run out gives it TAKEOVER_GRACE more, once: the owner may still land
+    -- its completion (base.TAKEOVER_GRACE). The token stays, so that completion is not refused.
+    UPDATE {TABLE} AS g SET lease_expires_at = now() + {_GRACE}, claim_kind = 'grace',
+           expires_at = greatest(g.expires_at, now() + {_GRACE})
+     WHERE g.tenant = $1 AND g.key = $2 AND g.state = 'in_flight' AND g.lease_expires_at <= now()
+       AND g.fingerprint = $3 AND g.claim_kind <> 'grace'
+    RETURNING {", ".join("g." + c.strip() for c in _COLUMNS.split(","))}
+), claimed AS (
     INSERT INTO {TABLE} AS r (tenant, key, fingerprint, state, lease_token, lease_expires_at,
                               claim_kind, created_at, expires_at)
-    VALUES ($1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 'new', now(),
-            now() + make_interval(secs => $6))
+    SELECT $1, $2, $3, 'in_flight', $4, now() + make_interval(secs => $5), 'new', now(),
+           now() + make_interval(secs => $6)
+     WHERE NOT EXISTS (SELECT 1 FROM graced)
     ON CONFLICT (tenant, key) DO UPDATE SET
         fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
         lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at,
@@ -104,8 +114,10 @@ WITH claimed AS (
 )
 SELECT *, now() AS db_now FROM claimed
 UNION ALL
+SELECT *, false AS owned, now() AS db_now FROM graced
+UNION ALL
 SELECT {_COLUMNS}, false AS owned, now() AS db_now FROM {TABLE}
- WHERE tenant = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)
+ WHERE tenant = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed) AND NOT EXISTS (SELECT 1 FROM graced)
 """
 
 # Fenced by the token: after a takeover the old owner's token matches nothing.
@@ -185,6 +197,16 @@ BEGIN
     SELECT * INTO r FROM {TABLE} x WHERE x.tenant = p_tenant AND x.key = p_key;
     IF NOT FOUND THEN
         kind := 'new';
+    ELSIF r.state = 'in_flight' AND r.lease_expires_at <= t AND r.fingerprint = p_fp AND r.claim_kind <> 'grace'
+    THEN
+        -- The first claim to find the lease run out gives it TAKEOVER_GRACE more, once: the owner may still land
+        -- its completion (base.TAKEOVER_GRACE). The token stays, so that completion is not refused.
+        UPDATE {TABLE} x SET lease_expires_at = t + {_GRACE}, claim_kind = 'grace',
+               expires_at = greatest(x.expires_at, t + {_GRACE})
+         WHERE x.tenant = p_tenant AND x.key = p_key
+        RETURNING * INTO r;
+        RETURN QUERY SELECT r, false, t;
+        RETURN;
     ELSIF (r.expires_at <= t AND NOT (r.state = 'in_flight' AND r.lease_expires_at > t))
        OR (r.state = 'in_flight' AND r.lease_expires_at <= t AND r.fingerprint = p_fp) THEN
         -- An in-flight record whose ttl ended no later than its lease stood for its lease: the same request
@@ -1055,6 +1077,7 @@ class PostgresStore(Store):
             now=row["db_now"].timestamp(),
             took_over=owned and row["claim_kind"] == "takeover",
             replaced_expired=owned and row["claim_kind"] == "expired",
+            grace=not owned and row["state"] == "in_flight" and row["claim_kind"] == "grace",
         )
 
     async def _claim(self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float) -> Any:
