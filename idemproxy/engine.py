@@ -77,7 +77,7 @@ from idemproxy.proxy import (
 )
 from idemproxy.replays import ReplayCache
 from idemproxy.settle import Settler
-from idemproxy.store.base import Claim, Record, State, Store, StoredResponse, new_token
+from idemproxy.store.base import TAKEOVER_GRACE, Claim, Record, State, Store, StoredResponse, new_token
 from idemproxy.tracing import HTTP_STATUS, Span, Tracer
 
 _T = TypeVar("_T")
@@ -668,7 +668,8 @@ class Engine:
         try:
             landed = await self.settler.complete(
                 lambda: self.store.complete(claim, stored, ttl=idem.ttl),
-                size=size, wait=idem.settle_timeout, give_up_after=idem.ttl,
+                # (until the record could be taken over at the earliest, with a ttl shorter than the lease too)
+                size=size, wait=idem.settle_timeout, give_up_after=max(idem.ttl, idem.lease + TAKEOVER_GRACE),
                 name=(claim.record.tenant, claim.record.key),
             )
             if landed:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from tests.conftest import ProxyFactory, RunningProxy
+from tests.conftest import ProxyFactory, RunningProxy, empty_records
 from tests.relay import Relay
 from tests.upstream import RecordingUpstream
 
@@ -57,13 +57,15 @@ async def until_async(condition: Callable[[], Awaitable[bool]], timeout: float =
         await asyncio.sleep(0.05)
 
 
-async def lease_run_out(dsn: str, key: str) -> None:
-    """Until ``key``'s lease has run out, as PostgreSQL itself sees it (the proxy's own path to it may be cut)."""
+async def lease_run_out(dsn: str, key: str, *, expired: bool = False) -> None:
+    """Until ``key``'s lease (and, ``expired``, its ttl) has run out, as PostgreSQL itself sees it (the proxy's own
+    path to it may be cut)."""
     direct = await asyncpg.connect(dsn)
     try:
         async def ran_out() -> bool:
             return bool(await direct.fetchval(
-                "SELECT lease_expires_at <= now() FROM idemproxy_records WHERE key = $1", key))
+                "SELECT lease_expires_at <= now() AND (NOT $2 OR expires_at <= now()) FROM idemproxy_records "
+                "WHERE key = $1", key, expired))
         await until_async(ran_out, timeout=10)
     finally:
         await direct.close()
@@ -315,14 +317,16 @@ async def test_an_unexpected_error_of_a_retry_reaches_the_waiting_caller() -> No
     assert calls == 2 and settler.pending == 0
 
 
+@pytest.mark.parametrize("ttl", ["24h", "1500ms"])
 async def test_a_retry_the_moment_the_store_is_back_gets_the_pending_answer_not_a_second_execution(
-    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str, ttl: str
 ) -> None:
     """The store was away longer than the lease: the record's lease has run out while this replica still holds the
     executed answer, waiting between two background attempts. A retry sent to it as soon as the store answers must
-    get that answer (a replay), never take the key over and execute it again."""
-    proxy = await make_proxy(storage_section=pg_section(via(pg_relay, clean_pg)),
-                             upstream={"timeout": "1s"}, idempotency={"lease": "3s", "settle_timeout": "200ms"})
+    get that answer (a replay), never take the key over and execute it again. With a ttl shorter than the lease
+    (valid), the background completion gave up at the ttl, before the key could even be taken over."""
+    proxy = await make_proxy(storage_section=pg_section(via(pg_relay, clean_pg)), upstream={"timeout": "1s"},
+                             idempotency={"lease": "3s", "ttl": ttl, "settle_timeout": "200ms"})
     pending = await started(proxy, upstream, "back-1", headers={"X-Test-Delay": "0.2"})
     pg_relay.cut()
     resp, body = await pending
@@ -358,5 +362,40 @@ async def test_a_retry_reaching_another_replica_as_the_store_comes_back_gets_the
     pg_relay.restore()  # the holder's next attempt comes within 0.5 s; the retry reaches the other first
     again, again_body = await other.post("/v1/charges", key="across-1", body=CHARGE)
     assert upstream.count(key="across-1") == 1, "the key was executed a second time"
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert json.loads(again_body)["serial"] == upstream.executed[-1].serial
+
+
+def one_table(dsn: str) -> dict[str, object]:
+    section = pg_section(dsn)
+    section["postgres"]["partitions"] = "none"
+    return section
+
+
+@pytest.mark.parametrize("fronted", [False, True], ids=["postgres", "redis"])
+async def test_a_sweep_between_the_lease_and_the_retry_does_not_take_the_grace_away(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_relay: Relay, pg_one_table_dsn: str, redis_url: str,
+    redis_prefix: str, fronted: bool,
+) -> None:
+    """test_settle's across-replica test on the one-table layout, the ttl as long as the lease. The store was away
+    from the holder past the lease and the ttl (the holder retries its completion for a ttl from when it began,
+    so it is still at it). As the store comes back, the other replica's periodic sweep (every 30 s, on every
+    replica) runs before the retry arrives: it deletes the lapsed in-flight record outright, with no grace, so the
+    retry finds no record and executes the payment again, and the holder's completion is refused."""
+    dsn = await empty_records(pg_one_table_dsn)
+    timing = {"upstream": {"timeout": "1s"},
+              "idempotency": {"lease": "3s", "ttl": "3s", "settle_timeout": "200ms"}}
+    redis = {"redis": {"url": redis_url, "key_prefix": redis_prefix}} if fronted else {}
+    holder = await make_proxy(storage_section={**one_table(via(pg_relay, dsn)), **redis}, **timing)
+    other = await make_proxy(storage_section={**one_table(dsn), **redis}, **timing)
+    pending = await started(holder, upstream, "swept-1", headers={"X-Test-Delay": "0.9"})
+    pg_relay.cut()
+    resp, body = await pending
+    assert resp.status == 503 and json.loads(body)["forwarded"] is True
+    await lease_run_out(dsn, "swept-1", expired=True)
+    pg_relay.restore()  # the holder's next attempt comes within 0.5 s (it retries for a ttl: ~0.9 s more)
+    await other.proxy.sweep_once()  # the other replica's periodic sweep happens to run now
+    again, again_body = await other.post("/v1/charges", key="swept-1", body=CHARGE)
+    assert upstream.count(key="swept-1") == 1, "the key was executed a second time"
     assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
     assert json.loads(again_body)["serial"] == upstream.executed[-1].serial

@@ -87,8 +87,10 @@ _CLAIM = f"""
 WITH graced AS (
     -- The first claim to find the lease run out gives it TAKEOVER_GRACE more, once: the owner may still land
     -- its completion (base.TAKEOVER_GRACE). The token stays, so that completion is not refused.
-    UPDATE {TABLE} AS g SET lease_expires_at = now() + {_GRACE}, claim_kind = 'grace',
-           expires_at = greatest(g.expires_at, now() + {_GRACE})
+    -- Counted from when it is written (clock_timestamp()), not from the transaction's start: a claim that queued
+    -- on the row's lock would otherwise write a grace already (partly) over.
+    UPDATE {TABLE} AS g SET lease_expires_at = clock_timestamp() + {_GRACE}, claim_kind = 'grace',
+           expires_at = greatest(g.expires_at, clock_timestamp() + {_GRACE})
      WHERE g.tenant = $1 AND g.key = $2 AND g.state = 'in_flight' AND g.lease_expires_at <= now()
        AND g.fingerprint = $3 AND g.claim_kind <> 'grace'
     RETURNING {", ".join("g." + c.strip() for c in _COLUMNS.split(","))}
@@ -201,8 +203,10 @@ BEGIN
     THEN
         -- The first claim to find the lease run out gives it TAKEOVER_GRACE more, once: the owner may still land
         -- its completion (base.TAKEOVER_GRACE). The token stays, so that completion is not refused.
-        UPDATE {TABLE} x SET lease_expires_at = t + {_GRACE}, claim_kind = 'grace',
-               expires_at = greatest(x.expires_at, t + {_GRACE})
+        -- Counted from when it is written, not from t (the transaction's start, maybe long before the key's lock
+        -- was had): otherwise a claim that queued on the lock would write a grace already (partly) over.
+        UPDATE {TABLE} x SET lease_expires_at = greatest(t, clock_timestamp()) + {_GRACE}, claim_kind = 'grace',
+               expires_at = greatest(x.expires_at, greatest(t, clock_timestamp()) + {_GRACE})
          WHERE x.tenant = p_tenant AND x.key = p_key
         RETURNING * INTO r;
         RETURN QUERY SELECT r, false, t;
@@ -424,8 +428,26 @@ DELETE FROM {TABLE} WHERE ctid IN (
      LIMIT $1 FOR UPDATE SKIP LOCKED)
 """
 
+# A lapsed in-flight record past its ttl (a ttl shorter than the lease, or an owner that never came back) is not
+# deleted before it has had its TAKEOVER_GRACE, as a claim would give it: its owner may be alive, holding the executed
+# answer, its completion retried at most 0.5 s apart after the store was away longer than the lease. A sweep that
+# deleted it outright would let the next retry find no record and execute again. The sweep gives it the grace (as
+# the claim's "graced" step does), and a later sweep deletes it.
+_SWEEP_GRACE = f"""
+UPDATE {TABLE} AS g SET lease_expires_at = now() + {_GRACE}, claim_kind = 'grace',
+       expires_at = greatest(g.expires_at, now() + {_GRACE})
+ WHERE ctid IN (
+    SELECT ctid FROM {TABLE}
+     WHERE expires_at <= now() AND state = 'in_flight' AND lease_expires_at <= now() AND claim_kind <> 'grace'
+     LIMIT $1 FOR UPDATE SKIP LOCKED)
+"""
+_SWEEP_GRACED = _SWEEP.replace(
+    "AND NOT (state = 'in_flight' AND lease_expires_at > now())",
+    "AND NOT (state = 'in_flight' AND (lease_expires_at > now() OR claim_kind <> 'grace'))")
+assert _SWEEP_GRACED != _SWEEP
+
 # The daily layout deletes row by row only in the default partition (records beyond the partitions created ahead,
-# or left over from before a conversion): normally empty.
+# or left over from before a conversion): normally empty, and what it holds expires days ahead (no grace there).
 _SWEEP_DEFAULT = _SWEEP.replace(TABLE, DEFAULT_PARTITION)
 
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
@@ -1194,7 +1216,11 @@ class PostgresStore(Store):
             if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", SWEEP_LOCK):
                 return 0
             self.layout = await layout(conn) or self.layout
-            result = await conn.execute(_SWEEP_DEFAULT if self.layout == "daily" else _SWEEP, limit)
+            if self.layout == "daily":
+                result = await conn.execute(_SWEEP_DEFAULT, limit)
+            else:
+                await conn.execute(_SWEEP_GRACE, limit)
+                result = await conn.execute(_SWEEP_GRACED, limit)
         return int(result.split()[-1])
 
     async def maintain(self) -> Maintenance | None:
