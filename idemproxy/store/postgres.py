@@ -87,8 +87,8 @@ _CLAIM = f"""
 WITH graced AS (
     -- The first claim to find the lease run out gives it TAKEOVER_GRACE more, once: the owner may still land
     -- its completion (base.TAKEOVER_GRACE). The token stays, so that completion is not refused.
-    -- Counted from when it is written (clock_timestamp()), not from the transaction's start: a claim that queued
-    -- on the row's lock would otherwise write a grace already (partly) over.
+    -- Counted from when it is written (clock_timestamp(), read per row: after the row's lock was had), not from
+    -- the transaction's start: a claim that queued on the row's lock would otherwise write a grace already over.
     UPDATE {TABLE} AS g SET lease_expires_at = clock_timestamp() + {_GRACE}, claim_kind = 'grace',
            expires_at = greatest(g.expires_at, clock_timestamp() + {_GRACE})
      WHERE g.tenant = $1 AND g.key = $2 AND g.state = 'in_flight' AND g.lease_expires_at <= now()
@@ -107,7 +107,8 @@ WITH graced AS (
         created_at = now(), expires_at = EXCLUDED.expires_at,
         claim_kind = CASE WHEN r.state = 'in_flight'
                                AND (r.expires_at > now() OR (r.fingerprint = EXCLUDED.fingerprint
-                                                             AND r.expires_at <= r.lease_expires_at))
+                                                             AND (r.expires_at <= r.lease_expires_at
+                                                                  OR r.claim_kind = 'grace')))
                           THEN 'takeover' ELSE 'expired' END
     WHERE (r.expires_at <= now() AND NOT (r.state = 'in_flight' AND r.lease_expires_at > now()))
        OR (r.state = 'in_flight' AND r.lease_expires_at <= now()
@@ -194,6 +195,7 @@ DECLARE
     t timestamptz := coalesce(p_now, now());
     r {TABLE};
     kind text;
+    until timestamptz;
 BEGIN
     {_KEY_LOCK}
     SELECT * INTO r FROM {TABLE} x WHERE x.tenant = p_tenant AND x.key = p_key;
@@ -204,9 +206,10 @@ BEGIN
         -- The first claim to find the lease run out gives it TAKEOVER_GRACE more, once: the owner may still land
         -- its completion (base.TAKEOVER_GRACE). The token stays, so that completion is not refused.
         -- Counted from when it is written, not from t (the transaction's start, maybe long before the key's lock
-        -- was had): otherwise a claim that queued on the lock would write a grace already (partly) over.
-        UPDATE {TABLE} x SET lease_expires_at = greatest(t, clock_timestamp()) + {_GRACE}, claim_kind = 'grace',
-               expires_at = greatest(x.expires_at, greatest(t, clock_timestamp()) + {_GRACE})
+        -- was had): otherwise a claim that queued on the lock would write a grace already (partly) over. Read once:
+        -- the lease and the expiry end at the same instant (the takeover after it is then counted as one).
+        until := greatest(t, clock_timestamp()) + {_GRACE};
+        UPDATE {TABLE} x SET lease_expires_at = until, claim_kind = 'grace', expires_at = greatest(x.expires_at, until)
          WHERE x.tenant = p_tenant AND x.key = p_key
         RETURNING * INTO r;
         RETURN QUERY SELECT r, false, t;
@@ -216,7 +219,8 @@ BEGIN
         -- An in-flight record whose ttl ended no later than its lease stood for its lease: the same request
         -- after it takes the record over (a second execution, maybe), whatever its ttl said.
         kind := CASE WHEN r.state = 'in_flight'
-                          AND (r.expires_at > t OR (r.fingerprint = p_fp AND r.expires_at <= r.lease_expires_at))
+                          AND (r.expires_at > t OR (r.fingerprint = p_fp AND (r.expires_at <= r.lease_expires_at
+                                                                               OR r.claim_kind = 'grace')))
                      THEN 'takeover' ELSE 'expired' END;
         DELETE FROM {TABLE} x WHERE x.tenant = p_tenant AND x.key = p_key;
     ELSE
