@@ -104,17 +104,23 @@ _NOT_FORWARDED = ("host", "expect")
 _CONTENT_LENGTH = ("content-length",)
 
 
+_FORGED_NAMES = frozenset(("forwarded", "x-real-ip", "x-original-url", "x-rewrite-url"))
+
+
 def _forged(name: str) -> bool:
     """A header only a proxy may write, about the client's hop: the upstream trusts this proxy, so it believes
     every such header this proxy passes on. RFC 7239's Forwarded, X-Real-IP, and the whole X-Forwarded-* family
     (-Proto, -Host, -Port, -Prefix, -Ssl, -Scheme... which frameworks read) in any spelling (CGI/WSGI servers
     read an underscore as a hyphen: X_Forwarded_Host is HTTP_X_FORWARDED_HOST). X-Forwarded-For itself is kept
-    and appended to, as the contract says."""
+    and appended to, as the contract says. Also X-Original-URL and X-Rewrite-URL, by which a rewriting proxy in
+    front tells some frameworks the path it was asked for: from a client, a path other than the one this proxy
+    routed (a covered route reached through an uncovered one)."""
     lowered = name.lower()
     if lowered == "x-forwarded-for":
         return False
     folded = lowered.replace("_", "-")
-    return folded.startswith("x-forwarded-") or folded in ("forwarded", "x-real-ip")
+    return folded.startswith("x-forwarded-") or folded in _FORGED_NAMES
+
 
 
 def hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
@@ -157,7 +163,7 @@ def upstream_request_headers(
     trusted = policy.trusts(request.remote)
     if not trusted:
         names = " ".join(headers.keys()).lower()  # (one search in C first: most requests carry none)
-        if "forwarded" in names or "real" in names:
+        if "forwarded" in names or "real" in names or "url" in names:
             for name in [name for name in headers.keys() if _forged(name)]:
                 headers.popall(name, None)
     remote = request.remote or ""

@@ -153,7 +153,8 @@ async def test_forwarded_headers_from_an_untrusted_peer_are_set_by_this_hop(
 FORGED = {"Forwarded": "for=6.6.6.6;proto=https;host=shop-a.example", "X_Forwarded_Host": "shop-a.example",
           "X-Forwarded_Proto": "https", "X_Forwarded_For": "6.6.6.6", "X-Forwarded-Port": "443",
           "X-Forwarded-Prefix": "/admin", "x-forwarded-ssl": "on", "X_Forwarded_Scheme": "https",
-          "X-Real-IP": "6.6.6.6", "X_Real_Ip": "6.6.6.6"}
+          "X-Real-IP": "6.6.6.6", "X_Real_Ip": "6.6.6.6", "X-Original-URL": "/v1/charges",
+          "X_Rewrite_Url": "/v1/charges"}
 
 
 @pytest.mark.parametrize("covered", [False, True])
@@ -164,14 +165,15 @@ async def test_other_spellings_of_the_forwarding_headers_pass_only_from_a_truste
     """RFC 7239 ``Forwarded`` says what X-Forwarded-* say, a CGI/WSGI upstream reads ``X_Forwarded_Host`` as
     X-Forwarded-Host, and frameworks read X-Real-IP and more of the X-Forwarded-* family (-Port, -Prefix, -Ssl):
     from a peer not trusted they went on as sent, so a client could name the shop, the scheme or the address
-    this hop vouches for. A header that merely looks alike is no forwarding header and passes."""
+    this hop vouches for; X-Original-URL and X-Rewrite-URL, read by some frameworks as the path asked for, could
+    take an uncovered request to a covered route. A header that merely looks alike is no such header and passes."""
     networks = ["127.0.0.0/8", "::1"] if trusted else ["10.0.0.0/8"]
     proxy = await make_proxy("embedded", forwarded={"trusted_proxies": networks})
-    resp, _ = await proxy.post("/f", headers={**FORGED, "X-Forwardedness": "1", "X-Realm": "r"}, body=CHARGE,
-                               key="fs" if covered else None)
+    alike = {"X-Forwardedness": "1", "X-Realm": "r", "X-Callback-Url": "https://shop.example/cb"}
+    resp, _ = await proxy.post("/f", headers={**FORGED, **alike}, body=CHARGE, key="fs" if covered else None)
     assert resp.status == 201
     seen = upstream.executed[0].headers
-    assert seen["X-Forwardedness"] == "1" and seen["X-Realm"] == "r"
+    assert {name: seen[name] for name in alike} == alike
     for name, value in FORGED.items():
         assert seen.getall(name, []) == ([value] if trusted else []), name
     assert seen.getall("X-Forwarded-For") == ["127.0.0.1"]
