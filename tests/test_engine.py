@@ -659,6 +659,13 @@ async def test_client_disconnect_does_not_stop_execution_or_store(
     assert upstream.count(key="gone") == 1
 
 
+async def past_the_lease(proxy: RunningProxy, key: str) -> None:
+    """Until the in-flight record of ``key`` (tenant "Bearer t1") has outlived its lease."""
+    record = await proxy.proxy.store.get(proxy.proxy.engine.resolve_tenant_value("Bearer t1"), key)
+    assert record is not None and record.lease_expires_at is not None
+    await asyncio.sleep(max(record.lease_expires_at - time.time(), 0) + 0.05)
+
+
 async def test_lease_takeover_after_the_lease_runs_out(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
@@ -667,10 +674,7 @@ async def test_lease_takeover_after_the_lease_runs_out(
     assert resp.status == 504  # outcome unknown: the lease is kept
     resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE)
     assert resp.status == 409
-    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
-    record = await proxy.proxy.store.get(tenant, "take")
-    assert record is not None and record.lease_expires_at is not None
-    await asyncio.sleep(max(record.lease_expires_at - time.time(), 0) + 0.05)
+    await past_the_lease(proxy, "take")
     resp, _ = await proxy.post("/v1/charges", key="take", body=CHARGE)
     assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
     assert upstream.count(key="take") == 2
@@ -692,10 +696,7 @@ async def test_a_takeover_is_counted_as_one_when_the_ttl_is_no_longer_than_the_l
         proxy = await make_proxy(backend, **timing)
     resp, _ = await proxy.post("/v1/charges", key="short-ttl", body=CHARGE, headers={"X-Test-Delay": "0.6"})
     assert resp.status == 504  # outcome unknown: the lease is kept
-    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
-    record = await proxy.proxy.store.get(tenant, "short-ttl")
-    assert record is not None and record.lease_expires_at is not None
-    await asyncio.sleep(max(record.lease_expires_at - time.time(), 0) + 0.05)
+    await past_the_lease(proxy, "short-ttl")
     resp, _ = await proxy.post("/v1/charges", key="short-ttl", body=CHARGE)
     assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
     assert upstream.count(key="short-ttl") == 2

@@ -85,6 +85,24 @@ async def started(proxy: RunningProxy, upstream: RecordingUpstream, key: str,
     return pending
 
 
+async def forwarded_then_cut(holder: RunningProxy, upstream: RecordingUpstream, relay: Relay, key: str,
+                             delay: str) -> None:
+    """``holder`` forwards ``key`` (the upstream taking ``delay`` seconds), its path to the store is cut meanwhile,
+    and its client gets 503 ``forwarded: true``: the executed answer waits in ``holder``, unstored."""
+    pending = await started(holder, upstream, key, headers={"X-Test-Delay": delay})
+    relay.cut()
+    resp, body = await pending
+    assert resp.status == 503 and json.loads(body)["forwarded"] is True
+
+
+async def replayed_once(proxy: RunningProxy, upstream: RecordingUpstream, key: str) -> None:
+    """The retry of ``key`` sent to ``proxy`` is the replay of the one execution, never a second one."""
+    again, again_body = await proxy.post("/v1/charges", key=key, body=CHARGE)
+    assert upstream.count(key=key) == 1, "the key was executed a second time"
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert json.loads(again_body)["serial"] == upstream.executed[-1].serial
+
+
 def metric(proxy: RunningProxy, line_start: str) -> float:
     for line in proxy.proxy.metrics.render().decode().splitlines():
         if line.startswith(line_start + " "):
@@ -327,17 +345,11 @@ async def test_a_retry_the_moment_the_store_is_back_gets_the_pending_answer_not_
     (valid), the background completion gave up at the ttl, before the key could even be taken over."""
     proxy = await make_proxy(storage_section=pg_section(via(pg_relay, clean_pg)), upstream={"timeout": "1s"},
                              idempotency={"lease": "3s", "ttl": ttl, "settle_timeout": "200ms"})
-    pending = await started(proxy, upstream, "back-1", headers={"X-Test-Delay": "0.2"})
-    pg_relay.cut()
-    resp, body = await pending
-    assert resp.status == 503 and json.loads(body)["forwarded"] is True
+    await forwarded_then_cut(proxy, upstream, pg_relay, "back-1", "0.2")
     assert metric(proxy, "idemproxy_pending_settles") == 1
     await lease_run_out(clean_pg, "back-1")
     pg_relay.restore()
-    again, again_body = await proxy.post("/v1/charges", key="back-1", body=CHARGE)
-    assert upstream.count(key="back-1") == 1, "the key was executed a second time"
-    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
-    assert json.loads(again_body)["serial"] == upstream.executed[-1].serial
+    await replayed_once(proxy, upstream, "back-1")
 
 
 @pytest.mark.parametrize("fronted", [False, True], ids=["postgres", "redis"])
@@ -354,16 +366,10 @@ async def test_a_retry_reaching_another_replica_as_the_store_comes_back_gets_the
     redis = {"redis": {"url": redis_url, "key_prefix": redis_prefix}} if fronted else {}
     holder = await make_proxy(storage_section={**pg_section(via(pg_relay, clean_pg)), **redis}, **timing)
     other = await make_proxy(storage_section={**pg_section(clean_pg), **redis}, **timing)
-    pending = await started(holder, upstream, "across-1", headers={"X-Test-Delay": "0.2"})
-    pg_relay.cut()
-    resp, body = await pending
-    assert resp.status == 503 and json.loads(body)["forwarded"] is True
+    await forwarded_then_cut(holder, upstream, pg_relay, "across-1", "0.2")
     await lease_run_out(clean_pg, "across-1")
     pg_relay.restore()  # the holder's next attempt comes within 0.5 s; the retry reaches the other first
-    again, again_body = await other.post("/v1/charges", key="across-1", body=CHARGE)
-    assert upstream.count(key="across-1") == 1, "the key was executed a second time"
-    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
-    assert json.loads(again_body)["serial"] == upstream.executed[-1].serial
+    await replayed_once(other, upstream, "across-1")
 
 
 def one_table(dsn: str) -> dict[str, object]:
@@ -388,14 +394,8 @@ async def test_a_sweep_between_the_lease_and_the_retry_does_not_take_the_grace_a
     redis = {"redis": {"url": redis_url, "key_prefix": redis_prefix}} if fronted else {}
     holder = await make_proxy(storage_section={**one_table(via(pg_relay, dsn)), **redis}, **timing)
     other = await make_proxy(storage_section={**one_table(dsn), **redis}, **timing)
-    pending = await started(holder, upstream, "swept-1", headers={"X-Test-Delay": "0.9"})
-    pg_relay.cut()
-    resp, body = await pending
-    assert resp.status == 503 and json.loads(body)["forwarded"] is True
+    await forwarded_then_cut(holder, upstream, pg_relay, "swept-1", "0.9")
     await lease_run_out(dsn, "swept-1", expired=True)
     pg_relay.restore()  # the holder's next attempt comes within 0.5 s (it retries for a ttl: ~0.9 s more)
     await other.proxy.sweep_once()  # the other replica's periodic sweep happens to run now
-    again, again_body = await other.post("/v1/charges", key="swept-1", body=CHARGE)
-    assert upstream.count(key="swept-1") == 1, "the key was executed a second time"
-    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
-    assert json.loads(again_body)["serial"] == upstream.executed[-1].serial
+    await replayed_once(other, upstream, "swept-1")

@@ -423,14 +423,17 @@ def _counted(statement: str, params: int, notify: bool) -> str:
     return f"WITH changed AS ({statement} RETURNING 1) SELECT count(*) FROM (SELECT {per_row} FROM changed) AS c"
 
 
-# Bounded batch; SKIP LOCKED keeps the sweeper off rows a claim is updating right now.
-_SWEEP = f"""
-DELETE FROM {TABLE} WHERE ctid IN (
-    SELECT ctid FROM {TABLE}
+# Bounded batch; SKIP LOCKED keeps the sweeper off rows a claim is updating right now. ``standing``: the in-flight
+# records kept though their ttl has passed.
+def _sweep(table: str, standing: str) -> str:
+    return f"""
+DELETE FROM {table} WHERE ctid IN (
+    SELECT ctid FROM {table}
      WHERE expires_at <= now()
-       AND NOT (state = 'in_flight' AND lease_expires_at > now())
+       AND NOT (state = 'in_flight' AND ({standing}))
      LIMIT $1 FOR UPDATE SKIP LOCKED)
 """
+
 
 # A lapsed in-flight record past its ttl (a ttl shorter than the lease, or an owner that never came back) is not
 # deleted before it has had its TAKEOVER_GRACE, as a claim would give it: its owner may be alive, holding the executed
@@ -445,14 +448,11 @@ UPDATE {TABLE} AS g SET lease_expires_at = now() + {_GRACE}, claim_kind = 'grace
      WHERE expires_at <= now() AND state = 'in_flight' AND lease_expires_at <= now() AND claim_kind <> 'grace'
      LIMIT $1 FOR UPDATE SKIP LOCKED)
 """
-_SWEEP_GRACED = _SWEEP.replace(
-    "AND NOT (state = 'in_flight' AND lease_expires_at > now())",
-    "AND NOT (state = 'in_flight' AND (lease_expires_at > now() OR claim_kind <> 'grace'))")
-assert _SWEEP_GRACED != _SWEEP
+_SWEEP = _sweep(TABLE, "lease_expires_at > now() OR claim_kind <> 'grace'")
 
 # The daily layout deletes row by row only in the default partition (records beyond the partitions created ahead,
 # or left over from before a conversion): normally empty, and what it holds expires days ahead (no grace there).
-_SWEEP_DEFAULT = _SWEEP.replace(TABLE, DEFAULT_PARTITION)
+_SWEEP_DEFAULT = _sweep(DEFAULT_PARTITION, "lease_expires_at > now()")
 
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError)
 # The request's own data was refused (a value too long to index, say): permanent, so never "unavailable".
@@ -1224,7 +1224,7 @@ class PostgresStore(Store):
                 result = await conn.execute(_SWEEP_DEFAULT, limit)
             else:
                 await conn.execute(_SWEEP_GRACE, limit)
-                result = await conn.execute(_SWEEP_GRACED, limit)
+                result = await conn.execute(_SWEEP, limit)
         return int(result.split()[-1])
 
     async def maintain(self) -> Maintenance | None:
