@@ -48,6 +48,7 @@ STORE_PROBE_TIMEOUT = 2.0  # a store that does not answer a ping within this is 
 # Shutdown: requests still running at shutdown_timeout are cancelled and get this long to unwind; aiohttp's own
 # per-connection wait (which would wait shutdown_timeout twice over) is given only this long to close connections.
 CLOSE_GRACE = 0.5
+CLOSE_FLOOR = 0.1  # seconds the stores' close gets however little is left (a store that answers closes in less)
 _OCTET_STREAM = "application/octet-stream"  # what aiohttp gives a body without a type
 
 _WELL_FORMED_ID = re.compile(r"[\x21-\x7e]{1,128}")  # 1-128 visible ASCII characters
@@ -126,10 +127,11 @@ class Proxy:
             task.cancel()
         # Not awaited unbounded: redis-py can swallow a cancellation mid-command, so the probe also ends by
         # the flag above, within one probe timeout.
-        await asyncio.wait(self._background, timeout=STORE_PROBE_TIMEOUT + 1)
-        await self.engine.drain(self._shutdown_left())
+        await asyncio.wait(self._background, timeout=min(STORE_PROBE_TIMEOUT + 1, self._unwind_left()))
+        await self.engine.drain(self._shutdown_left(), min(CLOSE_GRACE, self._unwind_left()))
         await self.upstreams.close()
-        await self.store.close()
+        # A store that does not answer is not waited for past the budget: its busy connections are cut.
+        await self.store.close(max(self._unwind_left(), CLOSE_FLOOR))
         await self.tracer.shutdown()  # last: the spans of the drained requests are exported too
 
     def _shutdown_left(self) -> float:
@@ -137,6 +139,11 @@ class Proxy:
         if self._shutdown_deadline is None:
             self._shutdown_deadline = time.monotonic() + self.config.shutdown_timeout
         return max(self._shutdown_deadline - time.monotonic(), 0.0)
+
+    def _unwind_left(self) -> float:
+        """What is left of shutdown_timeout and the CLOSE_GRACE after it, in which what was cut unwinds."""
+        return self._shutdown_left() + CLOSE_GRACE if self._shutdown_deadline is None else max(
+            self._shutdown_deadline + CLOSE_GRACE - time.monotonic(), 0.0)
 
     async def finish_requests(self, server: web.Server) -> None:
         """At shutdown, once no new connection is accepted and each connection was told to close after its

@@ -213,13 +213,22 @@ class Engine:
         level = config.log.access
         self._access_level: int | None = None if level == "OFF" else logging.getLevelName(level)
 
-    async def drain(self, timeout: float = 30.0) -> None:
+    async def drain(self, timeout: float, grace: float) -> None:
         """At shutdown: wait for the shielded forward-and-settle tasks, then flush pending settles, all within
-        one ``timeout``."""
-        deadline = time.monotonic() + timeout
+        one ``timeout``. What still runs then is cancelled (a forward cut, a completion attempt abandoned: the
+        key keeps its lease, as after a crash) and has ``grace`` seconds more to unwind, in all."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout)
-        await self.settler.flush(max(deadline - time.monotonic(), 0.0))
+        late = set(self._tasks)
+        if late:
+            log.warning("shutdown_timeout reached with %d forward(s) or completion(s) still running: cut, their "
+                        "keys keep their leases", len(late))
+            for task in late:
+                task.cancel()
+            await asyncio.wait(late, timeout=grace / 2)  # (a release it leaves pending is dropped by the flush)
+        await self.settler.flush(max(deadline - loop.time(), 0.0), max(deadline + grace - loop.time(), 0.0))
 
     # ------------------------------------------------------------------ entry
 

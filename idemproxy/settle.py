@@ -81,6 +81,7 @@ class Settler:
         # two attempts: it hurries the completion first (``hurry``). Empty, as it nearly always is: no work.
         self.named: dict[Hashable, _Job] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # (asked once: on 3.11 asking costs a system call)
+        self._closed = False  # set by ``flush`` once its time is up
 
     def _keep_loop(self) -> asyncio.AbstractEventLoop:
         self._loop = asyncio.get_running_loop()
@@ -152,20 +153,27 @@ class Settler:
         """Release in the background only (the store just failed: trying now would wait on it again)."""
         self._start("release", run, 0, until)
 
-    async def flush(self, timeout: float) -> None:
-        """At shutdown: let pending work land for up to ``timeout`` seconds, then drop what is left."""
-        tasks = set(self._tasks)  # (a job dropped by the bound may still wait on its first attempt)
-        if not tasks:
-            return
-        log.info("flushing %d pending settles (up to %gs)", len(tasks), timeout)
-        _, left = await asyncio.wait(tasks, timeout=timeout)
-        if left:
-            for jobs in self._jobs.values():
-                for job in list(jobs):
-                    self._drop(job, "shutdown")
-            await asyncio.wait(left, timeout=MAX_RETRY_GAP * 2)
-            for task in left:
-                task.cancel()  # an attempt stuck in the store past its own timeout
+    async def flush(self, timeout: float, grace: float) -> None:
+        """At shutdown: let pending work land for up to ``timeout`` seconds (work started meanwhile too: a
+        caller's first attempt that failed in the meantime), then drop what is left, cancel the attempts still
+        on the store and give them ``grace`` seconds to unwind. From then on a job is dropped as it starts:
+        nothing retries past the shutdown's budget."""
+        deadline = time.monotonic() + timeout
+        said = False
+        while self._tasks and (left := deadline - time.monotonic()) > 0:
+            if not said:
+                log.info("flushing %d pending settles (up to %gs)", len(self._tasks), timeout)
+                said = True
+            await asyncio.wait(set(self._tasks), timeout=left)
+        self._closed = True
+        for jobs in self._jobs.values():
+            for job in list(jobs):
+                self._drop(job, "shutdown")
+        late = set(self._tasks)
+        for task in late:
+            task.cancel()  # an attempt on a store that does not answer (it would wait out its own timeout)
+        if late:
+            await asyncio.wait(late, timeout=grace)
 
     # ------------------------------------------------------------------ background jobs
 
@@ -184,6 +192,8 @@ class Settler:
         self._tasks.add(job.task)
         job.task.add_done_callback(self._ended)
         self.metrics.pending_settles.set(self.pending)
+        if self._closed:  # (its first attempt failed after the shutdown's flush: no time is left to retry)
+            self._drop(job, "shutdown")
         while jobs and (len(jobs) > self.bounds.max_count
                         or (operation == "complete" and self._bytes > self.bounds.max_bytes)):
             self._drop(next(iter(jobs)), "bound")
@@ -225,7 +235,7 @@ class Settler:
                 except Exception:  # said here: a background job may have nobody waiting for its result
                     log.exception("pending %s failed", job.operation)
                     raise
-            while True:
+            while not job.dropped:
                 attempt += 1
                 if not job.nudge.is_set():  # (a request for the key may cut the wait short: ``hurry``)
                     with contextlib.suppress(TimeoutError):
@@ -245,5 +255,6 @@ class Settler:
                 log.warning("pending %s %s after %d retries", job.operation,
                             "landed" if result else "refused (the key was taken over or released)", attempt)
                 return result
+            return None  # (dropped)
         finally:
             self._forget(job)

@@ -479,7 +479,7 @@ async def test_a_record_whose_key_was_removed_is_503_and_never_executed_again(
     assert f'idemproxy_records_unreadable_total{{backend="{backend}"}} 1.0' in metrics
     # The claim that read it took nothing: no release to retry in the background (it counted one, and
     # filled the pending-settle bound and its alerts, for every request that met such a record).
-    await second.proxy.engine.settler.flush(5)
+    await second.proxy.engine.settler.flush(5, 1)
     registry = second.proxy.metrics.registry
     assert not registry.get_sample_value("idemproxy_settle_retries_total", {"operation": "release"})
     assert (await post_charge(second, "pay-2"))[0] == 201  # other keys are served as usual

@@ -650,7 +650,7 @@ async def test_client_disconnect_does_not_stop_execution_or_store(
         await asyncio.sleep(0.005)
     first.cancel()  # the client goes away mid-request
     await proxy.session.close()
-    await proxy.proxy.engine.drain()  # the shielded forward-and-store finishes on its own
+    await proxy.proxy.engine.drain(30, 1)  # the shielded forward-and-store finishes on its own
     import aiohttp
 
     proxy.session = aiohttp.ClientSession()

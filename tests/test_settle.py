@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import aiohttp
 import asyncpg
 import pytest
 
 from tests.conftest import ProxyFactory, RunningProxy, empty_records
+from tests.proxyproc import ProxyProcess
 from tests.relay import Relay
 from tests.upstream import RecordingUpstream
 
@@ -254,6 +257,45 @@ async def test_graceful_shutdown_flushes_pending_completions(
     assert upstream.count(key="flush-1") == 1
 
 
+@pytest.mark.parametrize("fronted", [False, True], ids=["postgres", "redis"])
+@pytest.mark.parametrize("fault", ["cut", "stall"])
+async def test_shutdown_timeout_bounds_a_shutdown_with_a_completion_still_pending(
+    proxy_process: Callable[..., ProxyProcess], upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str,
+    redis_url: str, redis_prefix: str, fronted: bool, fault: str,
+) -> None:
+    """The store goes away after the forward and stays away through the shutdown: the process exits 0 within
+    shutdown_timeout (and the 0.5 s given to what was cut), not after the store's own operation timeouts. A cut
+    store refuses each attempt (the pending completion is retried until the time is up, then dropped); a stalled
+    one holds the attempt on the wire (it is cut, with the pool's connections)."""
+    timeout = 2.0
+    redis = {"redis": {"url": redis_url, "key_prefix": redis_prefix}} if fronted else {}
+    proxy = proxy_process({
+        "upstream": {"url": upstream.url, "timeout": "1s"},
+        "storage": {"postgres": {"dsn": via(pg_relay, clean_pg), "pool_min": 1, "pool_max": 4}, **redis},
+        "idempotency": {"lease": "30s", "settle_timeout": "200ms"},
+        "drain_delay": "0s", "shutdown_timeout": f"{timeout}s", "log": {"access": "off"},
+    })
+    await proxy.start()
+    assert proxy.proc is not None
+    async with aiohttp.ClientSession() as session:
+        pending = asyncio.ensure_future(session.post(
+            proxy.url + "/v1/charges", json=CHARGE,
+            headers={"Idempotency-Key": "late-1", "Authorization": "t", "X-Test-Delay": "0.3"}))
+        await until(lambda: upstream.count(key="late-1") == 1)
+        getattr(pg_relay, fault)()
+        async with await pending as resp:
+            assert resp.status == 503 and (await resp.json())["forwarded"] is True
+    signalled = time.monotonic()
+    proxy.proc.send_signal(signal.SIGTERM)
+    code = await asyncio.to_thread(proxy.proc.wait, 30)
+    took = time.monotonic() - signalled
+    assert code == 0
+    assert took < timeout + 1.0, f"exited {took:.2f}s after SIGTERM:\n{proxy.log()}"
+    said = {"cut": "dropped a pending complete (shutdown", "stall": "1 forward(s) or completion(s) still running: cut"}
+    assert said[fault] in proxy.log()
+    assert upstream.count(key="late-1") == 1
+
+
 async def test_a_claim_blocked_in_the_store_never_forwards_into_its_own_takeover(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
 ) -> None:
@@ -308,7 +350,7 @@ async def test_background_releases_never_push_out_a_pending_completion() -> None
         settler.release_later(operation(f"release-{i}"), until=time.monotonic() + 60)
     assert settler.pending == 3  # the completion and the two newest releases
     store_up.set()
-    await settler.flush(5)
+    await settler.flush(5, 1)
     assert "complete" in landed and sorted(landed) == ["complete", "release-3", "release-4"]
 
 

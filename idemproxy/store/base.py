@@ -216,6 +216,15 @@ _tokens = _Tokens()
 os.register_at_fork(after_in_child=_tokens.forget)
 
 
+def step_bounds(timeout: float | None) -> Callable[[float], float]:
+    """For a ``close(timeout)``: the bound of each step (its own bound, ``step``), cut to what is left of
+    ``timeout`` from now (None: each step keeps its own bound)."""
+    if timeout is None:
+        return lambda step: step
+    deadline = time.monotonic() + timeout
+    return lambda step: min(step, max(deadline - time.monotonic(), 0.0))
+
+
 def new_token() -> str:
     """A lease token: 128 bits from the OS's CSPRNG, unguessable, so no other request can complete or release a
     record it does not own."""
@@ -298,8 +307,9 @@ class Store(ABC):
         """Connect (with bounded retries) and prepare the schema; called once at start."""
 
     @abstractmethod
-    async def close(self) -> None:
-        """Release every connection; called once at shutdown."""
+    async def close(self, timeout: float | None = None) -> None:
+        """Release every connection; called once at shutdown. With ``timeout``, within it: what is still busy
+        then (a statement on a store that does not answer) is cut, not waited for."""
 
     @abstractmethod
     async def claim(

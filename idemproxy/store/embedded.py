@@ -179,7 +179,9 @@ class EmbeddedStore(Store):
                           "written to it, every claim is 503 (restart the proxy)", self.path)
             raise sqlite3.OperationalError("the embedded store file was removed or replaced")
 
-    async def close(self) -> None:
+    async def close(self, timeout: float | None = None) -> None:
+        # (``timeout`` not applied: the SQLite thread cannot be cut; its file is local, there is no server to
+        # hang on.)
         if self._db is not None:
             await self._run("close", self._db.close)
             self._db = None

@@ -19,7 +19,17 @@ import asyncpg
 from idemproxy.config import PostgresConfig
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreRejected, StoreUnavailable
-from idemproxy.store.base import TAKEOVER_GRACE, Claim, Health, Record, State, Store, StoredResponse, new_token
+from idemproxy.store.base import (
+    TAKEOVER_GRACE,
+    Claim,
+    Health,
+    Record,
+    State,
+    Store,
+    StoredResponse,
+    new_token,
+    step_bounds,
+)
 from idemproxy.store.batch import Batcher, follow_up
 from idemproxy.store.codec import Codec
 
@@ -902,28 +912,29 @@ class PostgresStore(Store):
             log.warning("the schema has no batch functions (migrated by an older version): claims and completions "
                         "go one statement each until `idemproxy migrate` is run")
 
-    async def close(self) -> None:
+    async def close(self, timeout: float | None = None) -> None:
         self._closing.set()
+        within = step_bounds(timeout)
         if self._opening is not None:  # (a pool it was opening meanwhile is closed below)
-            await asyncio.wait({self._opening}, timeout=OPERATION_TIMEOUT + 1)
+            await asyncio.wait({self._opening}, timeout=within(OPERATION_TIMEOUT + 1))
             self._opening.cancel()
-            await asyncio.wait({self._opening}, timeout=1)  # its cleanup (terminating a pool) runs now
-        await self._claims.close(OPERATION_TIMEOUT)
-        await self._completes.close(OPERATION_TIMEOUT)
+            await asyncio.wait({self._opening}, timeout=within(1))  # its cleanup (terminating a pool) runs now
+        await self._claims.close(within(OPERATION_TIMEOUT))
+        await self._completes.close(within(OPERATION_TIMEOUT))
         if self._unclaiming:
-            await asyncio.wait(set(self._unclaiming), timeout=OPERATION_TIMEOUT)
+            await asyncio.wait(set(self._unclaiming), timeout=within(OPERATION_TIMEOUT))
         self._return_spares(float("inf"))
         if self._returning:
-            await asyncio.wait(set(self._returning), timeout=OPERATION_TIMEOUT)
+            await asyncio.wait(set(self._returning), timeout=within(OPERATION_TIMEOUT))
         if self._listen_task is not None:
-            await asyncio.wait({self._listen_task}, timeout=3)
+            await asyncio.wait({self._listen_task}, timeout=within(3))
             self._listen_task.cancel()
         pool = self._pool
         if pool is not None:
             try:
-                await asyncio.wait_for(pool.close(), timeout=5)
+                await asyncio.wait_for(pool.close(), timeout=within(5))
             except _DB_ERRORS:
-                pool.terminate()  # connections still busy after 5 s are cut, not waited for
+                pool.terminate()  # connections still busy then (a batch on a hung store) are cut, not waited for
 
     async def _keep_listening(self) -> None:
         """Hold a LISTEN connection; re-establish it whenever it is lost (a PostgreSQL restart, a cut), and

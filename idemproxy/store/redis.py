@@ -47,6 +47,7 @@ from idemproxy.store.base import (
     StoredResponse,
     new_token,
     quick_init,
+    step_bounds,
 )
 from idemproxy.store.batch import Batcher, follow_up
 from idemproxy.store.codec import PLAIN, Codec, json_encoder
@@ -75,6 +76,7 @@ BREAKER_COOLDOWN = 1.0  # seconds Redis is skipped after a failure
 STALE_LOCK_RETRY = 0.5
 STALE_LOCKS_MAX = 10_000
 CLOSE_TIMEOUT = 2.0  # seconds any one shutdown step may take
+CLOSE_FLOOR = 0.1  # seconds the subscriber's wake-up may take however little is left of a bounded close
 # An epoch must outlive the window between a writer's read of it and its write (a claim and its completion);
 # one that expires sooner only costs that write (refused), never correctness.
 EPOCH_MIN_TTL = 600.0
@@ -301,14 +303,15 @@ class RedisFrontedStore(Store):
         await self.durable.open()
         self._subscriber = asyncio.create_task(self._subscribe(), name="idemproxy-redis-subscriber")
 
-    async def close(self) -> None:
+    async def close(self, timeout: float | None = None) -> None:
         self._closing.set()
+        within = step_bounds(timeout)
         if self._unlocker is not None:
             self._unlocker.cancel()  # what it has not dropped expires by itself within LOCK_MAX
         if self._unlocking:
-            await asyncio.wait(set(self._unlocking), timeout=CLOSE_TIMEOUT)
+            await asyncio.wait(set(self._unlocking), timeout=within(CLOSE_TIMEOUT))
         if self._pipelines is not None:
-            await self._pipelines.close(CLOSE_TIMEOUT)
+            await self._pipelines.close(within(CLOSE_TIMEOUT))
         if self._lean is not None:
             self._lean.close()
         if self._subscriber is not None:
@@ -319,16 +322,18 @@ class RedisFrontedStore(Store):
             wake = self._listening
             if wake is not None:
                 with contextlib.suppress(*self._errors):
-                    await asyncio.wait_for(wake.publish(self.channel, b""), CLOSE_TIMEOUT)
+                    await asyncio.wait_for(wake.publish(self.channel, b""), max(within(CLOSE_TIMEOUT), CLOSE_FLOOR))
             # The subscriber notices the flag within one read timeout and ends by itself: redis-py's pub/sub
             # read can swallow a cancellation, and a task that outlives its loop hangs the process's exit.
-            await asyncio.wait({self._subscriber}, timeout=SUBSCRIBER_READ_TIMEOUT + CLOSE_TIMEOUT)
+            # (Not cut below one read timeout: a cancelled subscriber may not end, and would hang the exit.)
+            ends = max(within(SUBSCRIBER_READ_TIMEOUT + CLOSE_TIMEOUT), SUBSCRIBER_READ_TIMEOUT * 1.5)
+            await asyncio.wait({self._subscriber}, timeout=ends)
             if not self._subscriber.done():
                 log.warning("redis subscriber did not stop in time; cancelling it")
                 self._subscriber.cancel()
         with contextlib.suppress(*self._errors):
-            await asyncio.wait_for(self.redis.aclose(), CLOSE_TIMEOUT)
-        await self.durable.close()
+            await asyncio.wait_for(self.redis.aclose(), within(CLOSE_TIMEOUT))
+        await self.durable.close(None if timeout is None else within(timeout))
 
     async def _pubsub(self, attempt: int) -> tuple[Any, Any]:
         """(client to close, pubsub) on a client of the subscriber's own, with no retries: redis-py would
