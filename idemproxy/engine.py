@@ -757,7 +757,7 @@ class Engine:
 
         headers = ex.upstream.request_headers(request, drop=(idem.header,))
         if ex.upstream.config.forward_key:  # as a guarded forward sends it: the key as understood, or not at all
-            headers[idem.header] = ex.key
+            headers[idem.header] = forwarded_key(ex.key)
 
         async def call() -> web.StreamResponse:
             upstream = await ex.upstream.send(request, headers, body)

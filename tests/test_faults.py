@@ -335,18 +335,27 @@ async def test_an_unguarded_forward_is_a_covered_request_in_flight(
     await until(lambda: in_flight() == "idemproxy_in_flight_requests 0.0")
 
 
+@pytest.mark.parametrize(("sent", "forwarded"), [
+    ('"quoted"', "quoted"),
+    # A key a bare header value cannot carry goes as an sf-string, as a guarded forward sends it: bare, `" k "`
+    # reached the upstream as `k` (another key) and `"\"k"` as `"k` (an unclosed sf-string).
+    ('" spaced "', '" spaced "'),
+    ('"\\"first"', '"\\"first"'),
+])
 @pytest.mark.parametrize("forward_key", [True, False])
 async def test_an_unguarded_forward_sends_the_key_as_a_guarded_one_would(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, own_pg: PostgresServer, own_pg_dsn: str,
-    forward_key: bool,
+    forward_key: bool, sent: str, forwarded: str,
 ) -> None:
     proxy = await make_proxy(storage_section=pg_section(own_pg_dsn, on_store_error="fail_open"),
                              upstream={"forward_key": forward_key})
+    guarded, _ = await proxy.post("/v1/charges", key=sent, body=CHARGE)
+    assert guarded.status == 201 and "Idempotency-Status" not in guarded.headers
     own_pg.stop()
-    resp, _ = await proxy.post("/v1/charges", key='"quoted"', body=CHARGE)
+    resp, _ = await proxy.post("/v1/charges", key=sent, body={"amount": 2})
     assert resp.status == 201 and resp.headers["Idempotency-Status"] == "unguarded"
-    [executed] = upstream.executed
-    assert executed.headers.getall("Idempotency-Key", []) == (["quoted"] if forward_key else [])
+    sent_upstream = [executed.headers.getall("Idempotency-Key", []) for executed in upstream.executed]
+    assert sent_upstream == [[forwarded] if forward_key else []] * 2
 
 
 async def test_round_trips_per_path(
