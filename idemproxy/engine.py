@@ -524,6 +524,7 @@ class Engine:
         try:
             if forwarded.complete:
                 out = client_response_headers(forwarded.upstream, headers)
+                _head_length(request.method, forwarded.upstream, out)
                 return upstream_answer(forwarded.upstream.status, forwarded.upstream.reason, out, forwarded.head)
             # The rest of a body too large to keep comes from the upstream as it is relayed: time waiting on
             # the upstream, as a pass-through's streamed answer is counted, not the proxy's own overhead.
@@ -596,7 +597,7 @@ class Engine:
         try:
             with self.tracer.span("idemproxy.settle"):
                 refused = await self._settle_answer(claim, idem, upstream, head, complete,
-                                                    request.get(REQUEST_ID, ""), due)
+                                                    request.get(REQUEST_ID, ""), due, request.method)
         except BaseException:
             upstream.release()
             raise
@@ -609,12 +610,12 @@ class Engine:
 
     async def _settle_answer(
         self, claim: Claim, idem: IdempotencyConfig, upstream: UpstreamResponse,
-        head: bytes, complete: bool, request_id: str, due: asyncio.Future[None],
+        head: bytes, complete: bool, request_id: str, due: asyncio.Future[None], method: str = "",
     ) -> web.Response | None:
         """Complete or release per the outcome table; a refused completion returns what the record says."""
         stored = StoredResponse(
             status=upstream.status,
-            headers=tuple(replay_headers(upstream, idem, request_id).items()),
+            headers=tuple(replay_headers(upstream, idem, request_id, method).items()),
             body=head if complete else None,
         )
         return await self._settle_stored(claim, idem, stored, due)
@@ -803,17 +804,25 @@ def _disposition(status: int, idem: IdempotencyConfig) -> Literal["release", "un
 
 
 def replay_headers(
-    upstream: UpstreamResponse, idem: IdempotencyConfig, request_id: str = ""
+    upstream: UpstreamResponse, idem: IdempotencyConfig, request_id: str = "", method: str = ""
 ) -> CIMultiDict[str]:
-    """The headers a replay may carry: no hop-by-hop, Date, Content-Length or stripped names; plus the
-    executing request's id as Original-Request-Id (only replays carry it: the live answer is not built
-    from these)."""
+    """The headers a replay may carry: no hop-by-hop, Date, Content-Length (but a HEAD answer's: ``_head_length``)
+    or stripped names; plus the executing request's id as Original-Request-Id (only replays carry it: the live
+    answer is not built from these)."""
     drop = {"date", "content-length", idem.replay_header.lower(), "original-request-id"}
     drop.update(name.lower() for name in idem.strip_replay_headers)
     headers = filter_headers(upstream.headers, drop=drop)
+    _head_length(method, upstream, headers)
     if request_id:
         headers["Original-Request-Id"] = request_id
     return headers
+
+
+def _head_length(method: str, upstream: UpstreamResponse, headers: CIMultiDict[str]) -> None:
+    """A HEAD answer's Content-Length is no framing of a body (it has none) but the upstream's header, the size a GET
+    would get (RFC 9110 §8.6): kept, as a pass-through keeps it (aiohttp sends a HEAD answer's own Content-Length)."""
+    if method == "HEAD" and upstream.content_length is not None:
+        headers["Content-Length"] = str(upstream.content_length)
 
 
 def problem_response(problem: Problem, request_id: str = "") -> StoredResponse:

@@ -623,6 +623,22 @@ async def test_an_answer_without_content_type_gets_none_added(
     assert typed.headers["Content-Type"].startswith("application/json")  # one the upstream sent is kept
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_covered_head_answer_keeps_the_upstreams_content_length_live_and_replayed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, backend: str
+) -> None:
+    """A HEAD answer has no body, and its Content-Length is the upstream's own header (the size a GET would get,
+    RFC 9110 §8.6), as a pass-through HEAD relays it: a covered HEAD answered without it, live and replayed."""
+    proxy = await make_proxy(backend, idempotency={"methods": ["POST", "HEAD"]})
+    plain, _ = await proxy.post("/v1/things", method="HEAD", tenant=None, headers={"X-Test-Size": "100"})
+    assert plain.headers["Content-Length"] == "100"  # pass-through: the upstream's header
+    for replayed in ("false", "true"):
+        resp, body = await proxy.post("/v1/things", key="head-1", method="HEAD", headers={"X-Test-Size": "100"})
+        assert (resp.status, body, resp.headers["Idempotent-Replayed"]) == (200, b"", replayed)
+        assert resp.headers.getall("Content-Length") == ["100"]
+    assert upstream.count(key="head-1") == 1
+
+
 async def test_in_flight_duplicate_is_409_with_retry_after(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
