@@ -347,8 +347,17 @@ class Engine:
         return await self._decide(request, claim, fp, body, idem, ex)
 
     def resolve_tenant(self, request: web.BaseRequest) -> str:
-        """The tenant a key belongs to; the credential itself is hashed and never stored."""
-        return self.resolve_tenant_value(request.headers.get(self.config.tenant.header))
+        """The tenant a key belongs to; the credential itself is hashed and never stored. A tenant header sent
+        more than once names no one tenant: refused, as a repeated key is (a gateway that appends the tenant it
+        authenticated after one the client forged would otherwise have the key scoped to the forged one)."""
+        tenant = self.config.tenant
+        if tenant.from_ == "static":
+            return tenant.static
+        values = request.headers.getall(tenant.header, ())
+        if len(values) > 1:
+            raise MissingTenant(f"The {tenant.header} header was sent {len(values)} times; a key belongs to one "
+                                f"tenant: send it once.")
+        return self.resolve_tenant_value(values[0] if values else None)
 
     def resolve_tenant_value(self, value: str | None) -> str:
         """The tenant id for a tenant header value (the same rule the admin API uses)."""

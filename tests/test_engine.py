@@ -195,6 +195,27 @@ async def test_missing_tenant_is_401(make_proxy: ProxyFactory, upstream: Recordi
     assert upstream.executed == []
 
 
+@pytest.mark.parametrize("required", [True, False])
+async def test_a_tenant_header_sent_twice_is_refused_not_scoped_to_either(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, required: bool
+) -> None:
+    """A gateway that appends the tenant it authenticated after a line the client forged: scoped to the first
+    line, the key would read, block or replay the forged tenant's record (guarantee 5)."""
+    proxy = await make_proxy(tenant={"required": required})
+    victim, _ = await proxy.post("/v1/charges", key="k-twice", body=CHARGE, tenant="Bearer victim")
+    assert victim.status == 201
+    for lines in ([b"Bearer victim", b"Bearer me"], [b"Bearer me", b"Bearer me"]):
+        headers = [(b"Authorization", line) for line in lines]
+        headers += [(b"Idempotency-Key", b"k-twice"), (b"Content-Type", b"application/json")]
+        resp = await send_raw(proxy.url, build_request(b"POST", b"/v1/charges", headers, json.dumps(CHARGE).encode()))
+        assert resp.status == 401 and json.loads(resp.body)["code"] == "missing_tenant", resp.body
+        assert b"sent 2 times" in resp.body
+    assert upstream.count(key="k-twice") == 1
+    # keyless, the request is a pass-through with no tenant needed: both lines go on as sent
+    keyless = [(b"Authorization", b"Bearer a"), (b"Authorization", b"Bearer b")]
+    assert (await send_raw(proxy.url, build_request(b"GET", b"/plain", keyless, b""))).status == 200
+
+
 async def test_static_tenant(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
     proxy = await make_proxy(tenant={"from": "static", "static": "shop-1"})
     await proxy.post("/v1/charges", key="k-s", body=CHARGE, tenant=None)
