@@ -290,7 +290,8 @@ async def test_shutdown_timeout_bounds_a_shutdown_with_a_completion_still_pendin
     code = await asyncio.to_thread(proxy.proc.wait, 30)
     took = time.monotonic() - signalled
     assert code == 0
-    assert took < timeout + 1.0, f"exited {took:.2f}s after SIGTERM:\n{proxy.log()}"
+    # (0.5 s to unwind, and the process's own exit; it took up to 8 s more before: the store's 5 s timeouts)
+    assert took < timeout + 1.5, f"exited {took:.2f}s after SIGTERM:\n{proxy.log()}"
     said = {"cut": "dropped a pending complete (shutdown", "stall": "1 forward(s) or completion(s) still running: cut"}
     assert said[fault] in proxy.log()
     assert upstream.count(key="late-1") == 1
