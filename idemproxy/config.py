@@ -1151,9 +1151,11 @@ def _plain(value: Any) -> Any:
     if isinstance(value, ipaddress.IPv4Network | ipaddress.IPv6Network):
         return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # A section that is off (storage.redis, .postgres, .compression, .encryption) is left out, as a route's
+        # own upstream is: written back as `null`, the loader would read it as on with its defaults.
         return {
             ("from" if f.name == "from_" else f.name): _plain_field(f.name, getattr(value, f.name))
-            for f in fields(value)
+            for f in fields(value) if getattr(value, f.name) is not None
         }
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]

@@ -744,3 +744,28 @@ def test_an_upstream_url_with_a_query_or_a_fragment_is_refused_not_dropped(url: 
     assert any(error.startswith("upstream.url: ") and "query or a fragment" in error for error in info.value.errors)
     assert any(error.startswith("routes[0].upstream.url: ") for error in info.value.errors), info.value.errors
     assert from_yaml("upstream: {url: 'http://api.internal:9000/base/'}").upstream.url == "http://api.internal:9000/base"
+
+
+def test_the_effective_config_check_config_prints_reads_back_as_the_same_config(tmp_path: Path) -> None:
+    """What check-config prints is the effective config: given back to it, it is the same config. A section that is
+    off (no PostgreSQL, no Redis, no compression, no encryption) was printed as ``null``, which the loader reads as
+    the section on with its defaults: the embedded store's printout read back as Redis and PostgreSQL at their
+    default URLs, compression on and encryption without a key (exit 1)."""
+    first = tmp_path / "first.yaml"
+    first.write_text("upstream: {url: http://127.0.0.1:9000}\n"
+                     "routes: [{prefix: /v1/charges, required: true, upstream: {url: 'http://127.0.0.1:9100'}}]\n")
+    printed = check_config(first)
+    assert printed.returncode == 0, printed.stderr
+    again = tmp_path / "again.yaml"
+    again.write_text(printed.stdout)
+    reread = check_config(again)
+    assert reread.returncode == 0, reread.stderr
+    assert reread.stdout == printed.stdout
+    assert load_config_file(again, env={}) == load_config_file(first, env={})
+    with_stores = tmp_path / "stores.yaml"
+    with_stores.write_text("upstream: {url: http://127.0.0.1:9000}\n"
+                           "storage: {postgres: {dsn: 'postgresql://db/idem'}, compression: {min_size: 2KiB}}\n")
+    printed = check_config(with_stores)
+    assert printed.returncode == 0, printed.stderr
+    again.write_text(printed.stdout)
+    assert load_config_file(again, env={}) == load_config_file(with_stores, env={})
