@@ -253,10 +253,15 @@ def _admin_call(request: urllib.request.Request, admin_url: str) -> Any:
         raise CLIError(f"{admin_url} did not answer JSON; is that idemproxy's admin port?") from exc
 
 
+# The admin port is reached directly: never through an HTTP proxy the environment names ($http_proxy), which would
+# not reach a loopback admin port, or would be handed the admin token.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _fetch(request: urllib.request.Request, admin_url: str) -> tuple[int, Message[str, str], bytes]:
     """Status, headers and body of one call (an error status is an answer too); no answer is a CLIError."""
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with _DIRECT.open(request, timeout=10) as response:
             return response.status, response.headers, response.read()
     except urllib.error.HTTPError as exc:
         try:

@@ -565,6 +565,38 @@ async def test_keys_pointed_at_the_proxy_port_sends_no_token_and_says_so(
     assert result.returncode == 1 and "no record for this tenant and key" in result.stderr, result
 
 
+async def test_keys_talks_to_the_admin_port_directly_whatever_http_proxy_says(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
+) -> None:
+    """`idemproxy keys` went through the HTTP proxy named by $http_proxy (urllib's default), as an operator's shell
+    often has one set: the admin port was then "not reachable" (or not idemproxy's), and a forward proxy that could
+    reach it was handed the admin token."""
+    proxy = proxy_process({"upstream": {"url": upstream.url}, "admin": {"token": "s3cret"}, "log": {"access": "off"},
+                           "storage": {"embedded": {"path": str(tmp_path / "d.sqlite3")}}})
+    seen: list[bytes] = []
+
+    async def forward_proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(forward_proxy, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    await proxy.start()
+    env = {name: value for name, value in os.environ.items() if "proxy" not in name.lower()}
+    env.update(http_proxy=f"http://127.0.0.1:{port}", HTTP_PROXY=f"http://127.0.0.1:{port}")
+    try:
+        result = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "idemproxy", "keys", "show", "tenant-1", "key-1", "--admin-url",
+                             proxy.admin_url, "--token", "s3cret"], capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert result.returncode == 1 and "no record for this tenant and key" in result.stderr, result.stderr
+    assert seen == []
+
+
 def test_gen_key_prints_a_key_the_config_accepts() -> None:
     import base64
 
