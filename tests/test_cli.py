@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from idemproxy.store.postgres import MIGRATIONS, migrate, server_of
-from tests.conftest import scratch_database
+from tests.conftest import _admin_sql, scratch_database
 from tests.proxyproc import ProxyProcess, wait_ready
 from tests.servers import free_port
 from tests.test_settle import until, until_async
@@ -139,6 +139,34 @@ def test_postgres_refusing_at_start_is_a_clear_error(
             f"idemproxy: PostgreSQL at {admin.hostname}:{admin.port} {said}"), result.stderr
         assert "not reachable" not in result.stderr
         assert not admin.password or admin.password not in result.stderr
+
+
+def test_a_postgres_that_refuses_the_schema_at_start_is_one_line_naming_what_to_fix(
+    pg_admin_dsn: str, empty_db: str, tmp_path: Path
+) -> None:
+    """A server that answers, but whose role may not create the schema (`migrate: auto` at start, or `idemproxy
+    migrate`): `serve` ended with "The idempotency store (PostgreSQL) is unavailable." and `migrate` with
+    "unexpected InsufficientPrivilegeError: ...", neither naming the server nor the setting to fix."""
+    role = f"idemproxy_ro_{os.urandom(4).hex()}"
+    _admin_sql(pg_admin_dsn, f"CREATE ROLE {role} LOGIN")
+    try:
+        _admin_sql(empty_db, "REVOKE CREATE ON SCHEMA public FROM PUBLIC")  # (PostgreSQL 15's default)
+        parts = urlsplit(empty_db)
+        dsn = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
+        config = tmp_path / "c.yaml"
+        config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
+                                          "listen": {"host": "127.0.0.1", "port": free_port()},
+                                          "admin": {"host": "127.0.0.1", "port": free_port()},
+                                          "storage": {"postgres": {"dsn": dsn}}}))
+        for command in ("serve", "migrate"):
+            result = run_cli(command, "--config", str(config))
+            assert result.returncode == 1, result
+            last = result.stderr.strip().splitlines()[-1]
+            assert last.startswith(f"idemproxy: PostgreSQL at {parts.hostname}:{parts.port or 5432} "), result.stderr
+            assert "permission denied for schema public" in last and "storage.postgres.dsn" in last, last
+            assert "unexpected" not in last and "Traceback" not in result.stderr
+    finally:
+        _admin_sql(pg_admin_dsn, f"DROP ROLE IF EXISTS {role}")
 
 
 def test_start_up_errors_name_the_setting_to_fix(tmp_path: Path) -> None:

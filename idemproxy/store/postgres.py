@@ -757,6 +757,12 @@ def _refusal(exc: BaseException) -> str:
     return f"{said}: {exc} ({type(exc).__name__}; check storage.postgres.dsn)"
 
 
+def _not_opened(what: str, exc: BaseException) -> str:
+    """What a server that was reached, but on which the store could not be set up (the migrations refused), said."""
+    rights = " and its role's rights" if isinstance(exc, asyncpg.PostgresError) else ""  # (the server said no)
+    return f"{what} could not be opened: {exc} ({type(exc).__name__}; check storage.postgres.dsn{rights})"
+
+
 async def connect_with_retries(
     connect: Callable[[], Any], what: str, attempts: int = 5, delay: float = 0.5
 ) -> Any:
@@ -837,6 +843,8 @@ class PostgresStore(Store):
         except StoreUnavailable as exc:
             cause = exc.__cause__
             if not (self.wait_for_server and unreachable(cause)):
+                if connected and cause is not None:  # say what the server said (a role that may not migrate)
+                    raise StoreUnavailable(_not_opened(what, cause), maybe_applied=False) from cause
                 raise
             said = f"{what} could not be opened ({type(cause).__name__}: {cause})" if connected else exc.detail
             log.error("%s: serving without it; requests that need the store get 503 store_unavailable until it "
@@ -1282,5 +1290,7 @@ async def apply_migrations(config: PostgresConfig) -> tuple[list[int], str]:
     try:
         applied = await migrate(conn, config.partitions, convert=True)
         return applied, await layout(conn) or "none"
+    except (asyncpg.PostgresError, *_CONNECT_ERRORS) as exc:
+        raise StoreUnavailable(_not_opened(server_of(config.dsn.reveal()), exc), maybe_applied=False) from exc
     finally:
         await conn.close()
