@@ -201,9 +201,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
         named = "--admin-url" if args.admin_url else "admin.host (--config): its URL"
         raise CLIError(f"{named} {admin_url[:100]!r} is not an http(s) URL; give the proxy's admin port, such "
                        "as http://127.0.0.1:9090")
-    token = args.token or (config.admin.token.reveal() if config else "") or os.environ.get(
+    token = (args.token or (config.admin.token.reveal() if config else "") or os.environ.get(
         "IDEMPROXY_ADMIN_TOKEN", ""
-    )
+    )).strip()  # (as admin.token is read: the newline a secret file ends in is not part of it)
     if not token.isascii() or not token.isprintable():
         raise CLIError("--token (or admin.token, or $IDEMPROXY_ADMIN_TOKEN) must be printable ASCII, as the "
                        "proxy's admin.token is sent in an HTTP header")

@@ -615,6 +615,17 @@ def _store_url(value: Any, schemes: tuple[str, ...], what: str) -> SecretURL:
     return url
 
 
+def _admin_token(value: Any) -> Secret:
+    """The admin API's bearer token, sent in an HTTP header: whitespace around it (the newline a secret file or a
+    Kubernetes secret ends in) is not part of it, and a control character inside it could never be sent. Never
+    shown in errors."""
+    text = _secret_text(value).strip()
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in text):
+        raise _Invalid("the value (a secret, not shown) holds a control character, which no Authorization header "
+                       "can carry")
+    return Secret(text)
+
+
 STORE_KEY_BYTES = 32  # AES-256
 
 
@@ -696,7 +707,7 @@ _SPECS: dict[type[Any], _Spec] = {
     AdminConfig: {
         "host": _str,
         "port": _int(0, 65535),
-        "token": lambda v: Secret(_secret_text(v)),
+        "token": _admin_token,
         "ready_requires_store": _bool,
     },
     ForwardedConfig: {"trusted_proxies": _list(_network)},

@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from idemproxy.app import AdminRunner
+from idemproxy.config import ConfigError, load_config
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, StorageFactory
 from tests.proxyproc import ProxyProcess
@@ -110,6 +111,23 @@ async def test_no_token_configured_means_no_admin_api(make_proxy: ProxyFactory, 
     proxy = await make_proxy()
     admin = await admin_for(proxy)
     assert (await admin.call("GET", ALICE, "k", token=""))[0] == 404
+
+
+async def test_a_token_from_a_secret_file_with_its_trailing_newline_still_opens_the_admin_api(
+    make_proxy: ProxyFactory, admin_for: Any
+) -> None:
+    """admin.token from a Kubernetes secret or a file (``${IDEMPROXY_ADMIN_TOKEN}``) often ends in a newline, which
+    no Authorization header can carry: every admin call was 401, and ``idemproxy keys`` refused the token as not
+    printable. As for the upstream URL and the store keys, whitespace around the value is not part of it; a
+    control character inside it is refused at start, naming the key, never the value."""
+    proxy = await make_proxy(admin={"token": TOKEN + "\n"})
+    admin = await admin_for(proxy)
+    assert (await admin.call("GET", ALICE, "k"))[0] == 404  # (not found: the token was taken)
+    assert (await admin.call("GET", ALICE, "k", token=TOKEN + "x"))[0] == 401
+    with pytest.raises(ConfigError) as refused:
+        load_config({"upstream": {"url": "http://127.0.0.1:1"}, "admin": {"token": "admin\x01token"}}, env={})
+    [error] = refused.value.errors
+    assert error.startswith("admin.token: ") and "admin" not in error.removeprefix("admin.token: ")
 
 
 async def test_delete_releases_a_stuck_in_flight_record(
