@@ -1002,6 +1002,14 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
                 f"{_fmt_seconds(idem.lease)} must be longer than {upstream_path}.timeout "
                 f"({_fmt_seconds(upstream.timeout)}), or a slow request loses its lease before its answer is stored",
             )
+    listen, admin = config.listen, config.admin
+    wildcard = ("", "0.0.0.0", "::")  # (an address on every interface overlaps any other)
+    if listen.port and listen.port == admin.port and (
+            listen.host == admin.host or listen.host in wildcard or admin.host in wildcard):
+        # Bound twice in one process: "address already in use" (our own); with --workers (SO_REUSEPORT) both bind,
+        # and the kernel hands each connection to the proxy or to the admin API.
+        loader.error("admin.port", f"{admin.port} is listen.port too (on an address both listen on): the proxy and "
+                     "its admin API need ports of their own")
     storage = config.storage
     largest = max(idem.max_stored_response for idem in [config.idempotency, *(r.idempotency for r in config.routes)])
     if storage.pending_settles.max_bytes < largest + 64 * 1024:

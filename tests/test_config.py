@@ -769,3 +769,24 @@ def test_the_effective_config_check_config_prints_reads_back_as_the_same_config(
     assert printed.returncode == 0, printed.stderr
     again.write_text(printed.stdout)
     assert load_config_file(again, env={}) == load_config_file(with_stores, env={})
+
+
+def test_the_admin_port_cannot_be_the_proxy_port(tmp_path: Path) -> None:
+    """check-config passed admin.port equal to listen.port. `serve` then failed with "address already in use" (its
+    own admin port), and with --workers (SO_REUSEPORT) it started: the proxy and the admin API shared the port,
+    the kernel handing each connection to one or the other (502s on /healthz, the admin API on the proxy port)."""
+    path = tmp_path / "same.yaml"
+    path.write_text("upstream: {url: http://127.0.0.1:9000}\nlisten: {port: 8080}\nadmin: {port: 8080}\n")
+    result = check_config(path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "idemproxy: invalid configuration: admin.port: 8080 is listen.port too (on an address both listen on): "
+        "the proxy and its admin API need ports of their own"]
+    for listen, admin in (({"host": "127.0.0.1", "port": 8080}, {"host": "127.0.0.1", "port": 8080}),
+                          ({"host": "::", "port": 8080}, {"host": "127.0.0.1", "port": 8080})):
+        assert [e.partition(":")[0] for e in errors_of({"upstream": UP, "listen": listen, "admin": admin})] == [
+            "admin.port"]
+    # two addresses of their own, or ports the system picks, are fine
+    load_config({"upstream": UP, "listen": {"host": "10.0.0.5", "port": 8080},
+                 "admin": {"host": "127.0.0.1", "port": 8080}}, env={})
+    load_config({"upstream": UP, "listen": {"port": 0}, "admin": {"port": 0}}, env={})
