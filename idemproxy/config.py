@@ -530,6 +530,8 @@ def _forwarded_header(value: Any) -> str:
 
 def _list(item: Callable[[Any], T]) -> Callable[[Any], tuple[T, ...]]:
     def parse(value: Any) -> tuple[T, ...]:
+        if isinstance(value, _EnvList):  # a list that is one ``${NAME}`` (``_Loader.parse``)
+            value = value.items()
         if not isinstance(value, list):
             raise _Invalid(f"{value!r} is not a list")
         items: list[T] = []
@@ -544,6 +546,17 @@ def _list(item: Callable[[Any], T]) -> Callable[[Any], tuple[T, ...]]:
         return tuple(items)
 
     return parse
+
+
+class _EnvList(str):
+    """A list written as one ``${NAME}`` reference: the environment holds text, read as items separated by commas,
+    in brackets or not (``POST,PATCH``, ``[408, 429]``; empty: no items). Never read as YAML."""
+
+    def items(self) -> list[str]:
+        text = self.strip()
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]
+        return [one.strip() for one in text.split(",") if one.strip()]
 
 
 def _status(value: Any) -> int:
@@ -761,6 +774,7 @@ class _Loader:
         self.env = env
         self.errors: list[str] = []
         self._failed: set[str] = set()
+        self._whole_refs: set[str] = set()  # paths whose value is exactly one ``${NAME}`` reference
 
     def error(self, path: str, message: str) -> None:
         self.errors.append(f"{path}: {message}")
@@ -779,6 +793,8 @@ class _Loader:
         error (an unset ``${NAME}``: that is the error, not the empty value it left)."""
         if self.failed(path):
             return default
+        if path in self._whole_refs and isinstance(value, str):  # (a list due: read as one, ``_EnvList``)
+            value = _EnvList(value)
         try:
             return parser(value)
         except _Invalid as exc:
@@ -807,7 +823,10 @@ class _Loader:
 
         # The result stays a string even when it is all one variable: the environment holds text, and each
         # field's parser reads its type from text (ports, booleans, durations), so TOKEN=0012345 stays
-        # "0012345" where YAML would make it the number 5349.
+        # "0012345" where YAML would make it the number 5349. Where a list is due, such a string is read as
+        # items separated by commas (``_EnvList``).
+        if _ENV.fullmatch(value):
+            self._whole_refs.add(path)
         return _ENV.sub(expand, value)
 
     def section(self, cls: type[T], path: str, raw: Any, base: T | None = None, also_known: tuple[str, ...] = ()

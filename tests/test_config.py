@@ -602,6 +602,28 @@ def test_typed_fields_still_read_their_type_from_environment_text() -> None:
     assert idem.release_statuses == (429,) and idem.required is True and idem.max_request_body == 2048
 
 
+def test_a_list_may_be_one_environment_reference_read_as_items_separated_by_commas() -> None:
+    """"Any value may be ${ENV_NAME}": a list too. The text is split on commas (in brackets or not), never read
+    as YAML; each item is then checked as one written in the file would be."""
+    config = from_yaml(
+        "idempotency: {methods: '${METHODS}', release_statuses: '${STATUSES:-[408, 429]}', "
+        "fingerprint_headers: '${FP:-}'}\nforwarded: {trusted_proxies: '${LB}'}\n"
+        "routes: [{prefix: /v1, methods: '${METHODS}'}]",
+        env={"METHODS": "post, PUT", "LB": "10.0.0.0/8,192.168.0.1/32"},
+    )
+    idem = config.idempotency
+    assert idem.methods == ("POST", "PUT") and config.routes[0].idempotency.methods == ("POST", "PUT")
+    assert idem.release_statuses == (408, 429) and idem.fingerprint_headers == ()
+    assert [str(net) for net in config.forwarded.trusted_proxies] == ["10.0.0.0/8", "192.168.0.1/32"]
+    bad = errors_of({"upstream": UP, "idempotency": {"release_statuses": "${S}", "methods": "x${M}"}},
+                    env={"S": "408, soon", "M": "POST"})
+    # an item is checked as one written in the file; a reference that is only part of the text is no list
+    assert bad == ["idempotency.release_statuses[1]: 'soon' is not an integer",
+                   "idempotency.methods: 'xPOST' is not a list"]
+    assert errors_of({"upstream": UP, "idempotency": {"methods": "POST"}}) == [
+        "idempotency.methods: 'POST' is not a list"]  # a plain word written in the file is still no list
+
+
 STORE_KEY = "q83vEjRWeJq8/+7dzLuqmHZUMhBQzOEPzwpQJRfNq4A="  # base64 of 32 bytes
 
 
