@@ -169,6 +169,33 @@ def test_a_postgres_that_refuses_the_schema_at_start_is_one_line_naming_what_to_
         _admin_sql(pg_admin_dsn, f"DROP ROLE IF EXISTS {role}")
 
 
+@pytest.mark.parametrize("case", ["no-schema", "no-certificate"])
+def test_a_postgres_the_proxy_cannot_serve_from_is_one_line_at_start_not_a_replica_serving_503s(
+    empty_db: str, tmp_path: Path, case: str
+) -> None:
+    """A database with no schema under `migrate: off` started, said ready, and answered every covered request 503;
+    a DSN naming a certificate file that is not there was retried as if the server were down (it began as a
+    FileNotFoundError, as a unix socket not there yet does), then served without the store. Both are settings to
+    fix: one line, exit 1, at once."""
+    parts = urlsplit(empty_db)
+    postgres: dict[str, Any] = {"dsn": empty_db, "migrate": "off"} if case == "no-schema" else {
+        "dsn": f"{empty_db}?sslmode=verify-full&sslrootcert={tmp_path / 'missing.crt'}"}
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
+                                      "listen": {"host": "127.0.0.1", "port": free_port()},
+                                      "admin": {"host": "127.0.0.1", "port": free_port()},
+                                      "storage": {"postgres": postgres}}))
+    started = time.monotonic()
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 1, result
+    assert time.monotonic() - started < 10  # not after the five attempts for a server that is down
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"idemproxy: PostgreSQL at {parts.hostname}:{parts.port or 5432} "), result.stderr
+    said = {"no-schema": "has no idemproxy schema and storage.postgres.migrate is off: run `idemproxy migrate",
+            "no-certificate": "a file the DSN names (sslrootcert, sslcert, sslkey) cannot be read"}
+    assert said[case] in last and "Traceback" not in result.stderr, last
+
+
 def test_start_up_errors_name_the_setting_to_fix(tmp_path: Path) -> None:
     """Each used to be one line that named nothing to fix: "[Errno -2] Name or service not known", "The
     idempotency store (embedded) is unavailable.", "[Errno 98] error while attempting to bind ..."."""

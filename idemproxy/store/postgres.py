@@ -748,12 +748,27 @@ def unreachable(exc: BaseException | None) -> bool:
         return isinstance(exc, _TRANSIENT_AT_CONNECT)
     if isinstance(exc, _REFUSED_BY_CLIENT) or (type(exc) is ConnectionError and "rejected SSL upgrade" in str(exc)):
         return False  # the DSN's own options (sslmode, a certificate file) or a server without TLS where it asks
+    if isinstance(exc, OSError) and _reading_the_dsn(exc):
+        return False  # a file the DSN names (sslrootcert, sslcert, sslkey) that is not there: no wait mends it
     return isinstance(exc, _CONNECT_ERRORS)
+
+
+def _reading_the_dsn(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the driver reading the DSN and the files it names, before any connection was
+    tried (a missing ``sslrootcert`` is a FileNotFoundError, as a unix socket not there yet is, but from there)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_parse_connect_dsn_and_args":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _refusal(exc: BaseException) -> str:
     """What a connect that ``unreachable`` calls a configuration error says, after the server's name."""
     said = "refused the connection" if isinstance(exc, asyncpg.PostgresError) else "cannot be connected to"
+    if isinstance(exc, OSError) and _reading_the_dsn(exc):
+        said = "cannot be connected to: a file the DSN names (sslrootcert, sslcert, sslkey) cannot be read"
     return f"{said}: {exc} ({type(exc).__name__}; check storage.postgres.dsn)"
 
 
@@ -865,6 +880,11 @@ class PostgresStore(Store):
             async with self._conn("open") as conn:
                 if self.config.migrate == "auto":
                     await migrate(conn, self.config.partitions, convert=False)
+                elif await layout(conn) is None:  # (every operation would fail on it: not a store to serve from)
+                    raise StoreUnavailable(
+                        f"{server_of(self.config.dsn.reveal())} has no idemproxy schema and "
+                        "storage.postgres.migrate is off: run `idemproxy migrate --config FILE` first (or set "
+                        "migrate: auto)", maybe_applied=False)
                 await self._learn_layout(conn)
         except BaseException:
             pool, self._pool = self._pool, None
