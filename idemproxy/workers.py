@@ -50,6 +50,15 @@ def drain_when_orphaned() -> None:
         os.kill(os.getpid(), DRAIN)
 
 
+def _as_said(code: int, signalled: bool) -> int:
+    """A worker's exit status as a shell says it (killed by signal N: 128 + N); 0 for one the operator's signal
+    (or the DRAIN this process forwards when the operator signals it alone) reached before it handled signals:
+    it was still starting."""
+    if signalled and code in (-signal.SIGTERM, -signal.SIGINT, -DRAIN):
+        return 0
+    return 128 - code if code < 0 else code
+
+
 def run_workers(config: Config, argv: list[str]) -> int:
     """Start the workers, tell them to drain on SIGTERM/SIGINT (to exit at once on a second), and wait. A worker
     that dies unasked (killed, crashed) is replaced and its live gauges dropped from the summed metrics (its
@@ -64,15 +73,14 @@ def run_workers(config: Config, argv: list[str]) -> int:
             started[child.pid] = time.monotonic()
             return child
 
-        children = [spawn() for _ in range(config.workers)]
-        log.info("started %d workers: %s", len(children), [c.pid for c in children])
+        children: list[subprocess.Popen[bytes]] = []
         signalled = 0
 
         def tell(child: subprocess.Popen[bytes]) -> None:
             # os.kill, not Popen.send_signal: that polls, and a poll in a signal handler could reap a worker the
             # loop below then waits for in vain. Only the loop reaps, so a worker not yet seen exit is alive or
             # a zombie keeping its pid.
-            if child.returncode is None:
+            if signalled and child.returncode is None:
                 with contextlib.suppress(ProcessLookupError):  # (reaped just now, its returncode not yet set)
                     os.kill(child.pid, DRAIN if signalled == 1 else ABORT)
 
@@ -82,8 +90,18 @@ def run_workers(config: Config, argv: list[str]) -> int:
             for child in children:
                 tell(child)
 
+        def start(index: int) -> None:
+            child = spawn()
+            children[index:index + 1] = [child]  # (a new one at the end, or in the place of one that died)
+            tell(child)  # (if the operator's signal came while it was being started: forward() may not have seen it)
+
+        # Before the first worker: a SIGTERM while they start must drain them, not kill this process at once (its
+        # default action) and leave them orphaned.
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
+        for _ in range(config.workers):
+            start(len(children))
+        log.info("started %d workers: %s", len(children), [c.pid for c in children])
         failed = 0
         while any(child.returncode is None for child in children):
             pid, status = os.waitpid(-1, 0)
@@ -95,17 +113,11 @@ def run_workers(config: Config, argv: list[str]) -> int:
             # Killed -9 (the OOM killer, an operator) is no failure to start, however soon: one that cannot start
             # exits with its one-line error. START_GRACE counts from the spawn, and a worker serves well before.
             killed = code == -signal.SIGKILL
-            if signalled and code in (-signal.SIGTERM, -signal.SIGINT, -DRAIN):
-                # The operator's signal (or the DRAIN this process forwards when the operator signals it alone)
-                # reached it before it handled signals: it was still starting.
-                code = 0
-            code = 128 - code if code < 0 else code  # killed by a signal: as a shell says it
+            code = _as_said(code, bool(signalled))
             lived = time.monotonic() - started.pop(pid)
             if not signalled and (killed or lived >= START_GRACE):
                 log.error("worker %d exited (%d) unasked; starting another", pid, code)
-                children[index] = child = spawn()
-                if signalled:  # the operator's signal came while it was being started: forward() did not see it
-                    tell(child)
+                start(index)
                 continue
             failed = failed or code
             if not signalled:
