@@ -464,7 +464,7 @@ def _secret_text(value: Any) -> str:
 
 def _text(value: Any, *, secret: bool) -> str:
     if isinstance(value, str):
-        return value
+        return str(value)  # plain text, never a subclass (an ``_EnvList``) kept in the config
     shown = "the value (a secret, not shown)" if secret else _short(value)
     if value is None or isinstance(value, dict | list):
         raise _Invalid(f"{shown} is not a string")
@@ -545,6 +545,7 @@ def _list(item: Callable[[Any], T]) -> Callable[[Any], tuple[T, ...]]:
             raise _Invalid(str(bad[0]), bad[0].where, tuple(bad[1:]))
         return tuple(items)
 
+    parse.reads_list = True  # type: ignore[attr-defined]
     return parse
 
 
@@ -793,8 +794,8 @@ class _Loader:
         error (an unset ``${NAME}``: that is the error, not the empty value it left)."""
         if self.failed(path):
             return default
-        if path in self._whole_refs and isinstance(value, str):  # (a list due: read as one, ``_EnvList``)
-            value = _EnvList(value)
+        if path in self._whole_refs and isinstance(value, str) and getattr(parser, "reads_list", False):
+            value = _EnvList(value)  # (a list due, given as one reference: its text read as items)
         try:
             return parser(value)
         except _Invalid as exc:

@@ -624,6 +624,27 @@ def test_a_list_may_be_one_environment_reference_read_as_items_separated_by_comm
         "idempotency.methods: 'POST' is not a list"]  # a plain word written in the file is still no list
 
 
+def test_check_config_prints_values_given_as_one_environment_reference(tmp_path: Path) -> None:
+    """A value that is one whole ``${NAME}`` reference (the container's own config, deploy/docker/config.yaml,
+    is made of them) was kept as the list-reading text type, which check-config could not print: it exited 1 with
+    "unexpected RepresenterError" for the image's default config (audit Q, 2026-11-27)."""
+    path = tmp_path / "refs.yaml"
+    path.write_text("upstream: {url: '${AUDITQ_UNSET_U:-http://127.0.0.1:9000}'}\n"
+                    "tenant: {from: '${AUDITQ_UNSET_F:-static}', static: '${AUDITQ_UNSET_S:-t1}'}\n"
+                    "idempotency: {header: '${AUDITQ_UNSET_H:-Idempotency-Key}', methods: '${AUDITQ_UNSET_M:-POST}'}\n"
+                    "storage: {redis: {url: '${AUDITQ_UNSET_R:-redis://redis:6379/0}'},\n"
+                    "          postgres: {dsn: '${AUDITQ_UNSET_P:-postgresql://u:pw@db/idem}'}}\n")
+    result = check_config(path)
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["upstream"]["url"] == "http://127.0.0.1:9000" and printed["tenant"]["static"] == "t1"
+    assert printed["storage"]["redis"]["url"] == "redis://redis:6379/0"
+    assert printed["storage"]["postgres"]["dsn"] == "postgresql://u:***@db/idem"
+    assert printed["idempotency"]["methods"] == ["POST"]
+    image = check_config(Path(__file__).resolve().parent.parent / "deploy/docker/config.yaml")
+    assert image.returncode == 0, image.stderr
+
+
 STORE_KEY = "q83vEjRWeJq8/+7dzLuqmHZUMhBQzOEPzwpQJRfNq4A="  # base64 of 32 bytes
 
 
