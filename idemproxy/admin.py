@@ -63,7 +63,10 @@ class AdminAPI:
         # (the header's bytes as received: undecodable ones arrive escaped, and are a wrong token, not a 500)
         expected = self.token.reveal().encode()
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected):
-            log.warning("admin %s %s refused: bad or missing token", request.method, loggable_path(request),
+            # The path names a raw key (/admin/keys/{tenant}/{key}): logged as its hash, as every line does.
+            tenant = loggable_path(request).removeprefix("/admin/keys/").partition("/")[0]
+            log.warning("admin %s refused: bad or missing token (tenant=%s key_hash=%s)", request.method, tenant,
+                        short_hash(request.match_info.get("key", "")),
                         extra={"admin_action": "refused", "remote": request.remote})
             raise Unauthorized("A valid admin bearer token is required.")
 

@@ -87,6 +87,22 @@ async def test_wrong_or_missing_token_is_401(make_proxy: ProxyFactory, admin_for
     assert (await admin.call("GET", ALICE, "k"))[0] == 200  # nothing was deleted
 
 
+async def test_a_refused_admin_call_logs_the_key_as_its_hash_never_raw(
+    make_proxy: ProxyFactory, admin_for: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """"raw keys are never logged" (docs/operating.md; SECURITY.md has them in scope): the line for a call with a
+    bad token quoted its path, /admin/keys/{tenant}/{key}, raw key and all (audit Q, 2026-11-27)."""
+    proxy = await make_proxy(admin={"token": TOKEN})
+    admin = await admin_for(proxy)
+    with caplog.at_level(logging.INFO, logger="idemproxy.admin"):
+        for method in ("GET", "DELETE"):
+            assert (await admin.call(method, ALICE, "order%2Fraw-key-42", token="wrong"))[0] == 401
+    refused = [record.getMessage() for record in caplog.records if "refused" in record.getMessage()]
+    assert len(refused) == 2 and all(ALICE in line for line in refused), refused
+    assert hashlib.sha256(b"order/raw-key-42").hexdigest()[:12] in refused[0]
+    assert "raw-key-42" not in caplog.text
+
+
 async def test_a_token_of_undecodable_bytes_is_401_and_a_nul_names_no_record(
     make_proxy: ProxyFactory, admin_for: Any
 ) -> None:
