@@ -1,6 +1,6 @@
 # `make demo` and `make test` do all set-up themselves on a fresh clone (Python 3.11+ with venv).
-# The demo needs only the runtime (~50 MB); the test toolchain (servers, linters, validators) is installed
-# only for the targets that use it. Each install has its own stamp, redone when pyproject.toml changes.
+# The demo needs only the runtime (~100 MB with pip); the test toolchain (servers, linters, validators) is
+# installed only for the targets that use it. Each install has its own stamp, redone when pyproject.toml changes.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.installed-runtime
