@@ -94,6 +94,9 @@ GRACE_ROUNDS = 3
 # How long a request waits for the one completion attempt it hurried (a pending answer of its key, held here):
 # a store that hangs rather than refuses does not hold it longer; its claim then meets the same store.
 HURRY_WAIT = 1.0
+# While the store's notifications cannot reach this process (Redis unreachable, PostgreSQL's LISTEN lost), a
+# wait-mode request is woken by nothing: it looks at the record again this often instead of at its deadline.
+DEAF_POLL = 0.25
 SETTLE_CHECK = 0.1  # seconds between looks for completions past settle_timeout (one timer, not one per request)
 
 
@@ -399,10 +402,13 @@ class Engine:
                     return claim
                 lease_left = (record.lease_expires_at or claim.now) - claim.now
                 # Past the lease the record may be taken over, so look again then at the latest.
+                wait = min(remaining, max(lease_left, 0.01))
+                if not self.store.notifications_live():
+                    wait = min(wait, DEAF_POLL)
                 waiting = time.perf_counter()
                 try:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(changed, min(remaining, max(lease_left, 0.01)))
+                        await asyncio.wait_for(changed, wait)
                 finally:
                     if ex is not None:
                         ex.waited_seconds += time.perf_counter() - waiting

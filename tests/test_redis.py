@@ -19,7 +19,7 @@ from idemproxy.store.base import State, StoredResponse
 from idemproxy.store.redis import BREAKER_COOLDOWN, LOCK_MAX, YOUNG_LOCK, RedisFrontedStore, _encode
 from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
-from tests.servers import RedisServer
+from tests.servers import RedisServer, free_port
 from tests.test_faults import durable, redis_round_trips
 from tests.test_settle import until
 from tests.upstream import RecordingUpstream
@@ -105,6 +105,29 @@ async def test_wait_mode_when_redis_lost_the_owners_lock_does_not_spin(
     # one claim that found the owner in PostgreSQL, the owner's completion, and the waiter's look after it
     assert durable(proxy).statements - before <= 5, durable(proxy).statements - before
     assert upstream.count(key="spin") == 1
+
+
+async def test_waiters_on_another_replica_get_the_answer_soon_while_redis_is_unreachable(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_prefix: str
+) -> None:
+    """Redis configured but not answering: the completion's announcement reaches no other replica (no Redis to
+    publish through, and no LISTEN while Redis is the channel), so a waiter there was woken by nothing and got the
+    answer only at its wait's end (about 7 s after the owner in the audit's run). It looks again meanwhile."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    timing = {"idempotency": {"in_flight": "wait", "wait_timeout": "8s", "lease": "10s"}}
+    owner_proxy = await make_proxy(storage_section=section(clean_pg, dead, redis_prefix), **timing)
+    other = await make_proxy(storage_section=section(clean_pg, dead, redis_prefix), **timing)
+    owner = asyncio.ensure_future(owner_proxy.post("/v1/charges", key="deaf", body=CHARGE,
+                                                   headers={"X-Test-Delay": "0.5"}))
+    await until(lambda: upstream.count(key="deaf") == 1)
+    waiter = asyncio.ensure_future(other.post("/v1/charges", key="deaf", body=CHARGE))
+    owner_resp, owner_body = await owner
+    answered = time.monotonic()
+    waiter_resp, waiter_body = await waiter
+    assert owner_resp.status == waiter_resp.status == 201 and waiter_body == owner_body
+    assert waiter_resp.headers["Idempotent-Replayed"] == "true"
+    assert time.monotonic() - answered < 2, "the waiter was woken by nothing: it waited for its deadline"
+    assert upstream.count(key="deaf") == 1
 
 
 def redis_claims_timed(proxy: RunningProxy) -> int:
