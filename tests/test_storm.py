@@ -10,6 +10,7 @@ what the clients were told. Every violation is collected and printed before the 
 
   IDEMPROXY_STORM_SEED=1234      replay a run (the seed is printed; timing still varies)
   IDEMPROXY_STORM_SECONDS=600    the long form (default: 25 s of faults)
+  IDEMPROXY_STORM_WAIT=1         duplicates wait for the owner (in_flight: wait) instead of getting 409
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ LEASE = float(os.environ.get("IDEMPROXY_STORM_LEASE", "3.5"))
 # The proxies' idempotency section; extend it as the config grows (e.g. settle_timeout).
 # The TTL outlasts the whole run (the verify pass included): an expired key executing again is no violation.
 IDEMPOTENCY: dict[str, Any] = {"lease": f"{LEASE}s", "ttl": f"{2 * STORM_SECONDS + 600:g}s", "settle_timeout": "5s"}
+# IDEMPROXY_STORM_WAIT=1 has duplicates wait for the owner's answer (in_flight: wait) instead of getting 409: the
+# waits, their wake-ups (pub/sub, and the look again every 0.25 s while a replica cannot hear them) and the
+# takeovers at their lease's end run under the same faults.
+if os.environ.get("IDEMPROXY_STORM_WAIT", "") == "1":
+    IDEMPOTENCY.update({"in_flight": "wait", "wait_timeout": "2s"})
 # IDEMPROXY_STORM_SEAL=1 stores every answer compressed and sealed (storage.compression, storage.encryption), so
 # the codec's frames and their binding to the record are read back under the same faults.
 SEAL = os.environ.get("IDEMPROXY_STORM_SEAL", "") == "1"
@@ -421,7 +427,8 @@ class Verdict:
         second = sum(max(len(runs) - 1, 0) for runs in self.executions.values())
         faults = Counter(f.kind for f in storm.faults)
         lines = [
-            f"storm seed={storm.seed} seconds={STORM_SECONDS:g} lease={LEASE:g} sealed={SEAL} cache_ttl={CACHE_TTL} "
+            f"storm seed={storm.seed} seconds={STORM_SECONDS:g} lease={LEASE:g} sealed={SEAL} "
+            f"wait={IDEMPOTENCY.get('in_flight') == 'wait'} cache_ttl={CACHE_TTL} "
             f"(replay: IDEMPROXY_STORM_SEED={storm.seed})",
             f"keys={len(storm.keys)} requests={storm.requests} executions={len(storm.upstream.executions)} "
             f"dropped-by-upstream={sum(e.dropped for e in storm.upstream.executions)} second-executions={second}",
