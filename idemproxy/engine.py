@@ -95,8 +95,10 @@ GRACE_ROUNDS = 3
 # a store that hangs rather than refuses does not hold it longer; its claim then meets the same store.
 HURRY_WAIT = 1.0
 # While the store's notifications cannot reach this process (Redis unreachable, PostgreSQL's LISTEN lost), a
-# wait-mode request is woken by nothing: it looks at the record again this often instead of at its deadline.
+# wait-mode request is woken by nothing: it looks at the record again after this long instead of at its deadline,
+# twice as long each time up to DEAF_POLL_MAX (a burst of waiters on one key is not a burst of claims every 0.25 s).
 DEAF_POLL = 0.25
+DEAF_POLL_MAX = 1.0
 SETTLE_CHECK = 0.1  # seconds between looks for completions past settle_timeout (one timer, not one per request)
 
 
@@ -390,6 +392,7 @@ class Engine:
             return claim
         loop = asyncio.get_running_loop()
         deadline = loop.time() + idem.wait_timeout
+        poll = DEAF_POLL
         while True:
             # Watch before reading: a completion between the read and the wait still wakes us.
             with self.store.watch(tenant, key) as changed:
@@ -404,7 +407,7 @@ class Engine:
                 # Past the lease the record may be taken over, so look again then at the latest.
                 wait = min(remaining, max(lease_left, 0.01))
                 if not self.store.notifications_live():
-                    wait = min(wait, DEAF_POLL)
+                    wait, poll = min(wait, poll), min(poll * 2, DEAF_POLL_MAX)
                 waiting = time.perf_counter()
                 try:
                     with contextlib.suppress(TimeoutError):

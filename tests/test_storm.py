@@ -47,7 +47,7 @@ LEASE = float(os.environ.get("IDEMPROXY_STORM_LEASE", "3.5"))
 # The TTL outlasts the whole run (the verify pass included): an expired key executing again is no violation.
 IDEMPOTENCY: dict[str, Any] = {"lease": f"{LEASE}s", "ttl": f"{2 * STORM_SECONDS + 600:g}s", "settle_timeout": "5s"}
 # IDEMPROXY_STORM_WAIT=1 has duplicates wait for the owner's answer (in_flight: wait) instead of getting 409: the
-# waits, their wake-ups (pub/sub, and the look again every 0.25 s while a replica cannot hear them) and the
+# waits, their wake-ups (pub/sub, or looking again while a replica cannot hear announcements) and the
 # takeovers at their lease's end run under the same faults.
 if os.environ.get("IDEMPROXY_STORM_WAIT", "") == "1":
     IDEMPOTENCY.update({"in_flight": "wait", "wait_timeout": "2s"})

@@ -971,7 +971,7 @@ class PostgresStore(Store):
             try:
                 conn = await asyncpg.connect(self.config.dsn.reveal(), timeout=OPERATION_TIMEOUT)
             except _DB_ERRORS as exc:
-                log.warning("LISTEN connection failed (%s); wait mode looks again every 0.25 s until it is "
+                log.warning("LISTEN connection failed (%s); wait mode looks again (up to every 1 s) until it is "
                             "back", type(exc).__name__)
             else:
                 await self._listen_on(conn)
