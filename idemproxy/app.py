@@ -359,6 +359,20 @@ async def _listen(runner: web.BaseRunner, section: str, host: str, port: int, re
                            ) from exc
 
 
+def _own_ports(admin: list[Any], listen: list[Any]) -> None:
+    """The admin API and the proxy on sockets of their own, as bound: ``check-config`` refuses one port written
+    twice, but not one address under two names (``localhost`` and ``127.0.0.1``), which a worker of --workers
+    (SO_REUSEPORT) binds twice, the kernel then handing each connection to the proxy or to the admin API."""
+    for a_host, a_port, *_ in admin:
+        for l_host, l_port, *_ in listen:
+            if a_port != l_port:
+                continue
+            ipv4 = ":" not in a_host and ":" not in l_host
+            if a_host == l_host or "::" in (a_host, l_host) or (ipv4 and "0.0.0.0" in (a_host, l_host)):
+                raise CannotListen(f"admin.port: {a_port} is listen.port too ({a_host} and {l_host} are one "
+                                   "address): the proxy and its admin API need ports of their own")
+
+
 async def serve(config: Config, *, reuse_port: bool = False) -> None:
     """Run until SIGTERM/SIGINT; then drain (CONTRACT "Draining") and stop. A second signal exits at once."""
     proxy = Proxy(config, ready_after_start=False)
@@ -389,6 +403,7 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
         await _listen(admin_runner, "admin", config.admin.host, config.admin.port, reuse_port)
         await proxy_runner.setup()  # opens the store and the upstream pools
         await _listen(proxy_runner, "listen", config.listen.host, config.listen.port, reuse_port)
+        _own_ports(admin_runner.addresses, proxy_runner.addresses)
         proxy.phase = Phase.READY
         gc.collect()
         gc.freeze()

@@ -666,3 +666,29 @@ def test_gen_key_prints_a_key_the_config_accepts() -> None:
     config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": {"encryption": {"key": key}}}, env={})
     assert config.storage.encryption is not None
     assert run_cli("gen-key").stdout.strip() != key
+
+
+def test_the_admin_api_and_the_proxy_never_share_a_port_under_another_name(tmp_path: Path) -> None:
+    """admin.port equal to listen.port is refused by check-config when the hosts are written alike (or one is a
+    wildcard), but `localhost` and `127.0.0.1` are one address under two names: a worker of --workers (which binds
+    with SO_REUSEPORT) bound both, and the kernel handed each connection to the proxy or to the admin API (half of
+    /healthz answered 502 by the upstream). The sockets as bound are compared, whatever the hosts are called."""
+    port = free_port()
+    config = tmp_path / "named.yaml"
+    config.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port}, "admin": {"host": "localhost", "port": port},
+        "upstream": {"url": f"http://127.0.0.1:{free_port()}"},
+        "storage": {"embedded": {"path": str(tmp_path / "store.sqlite3")}},
+    }))
+    proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config), "--reuse-port"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        err = proc.communicate(timeout=20)[1].decode()
+    except subprocess.TimeoutExpired:
+        err = "still serving, the port shared by the proxy and its admin API"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 1, err[-1500:]
+    assert f"admin.port: {port} is listen.port too" in err, err[-1500:]
