@@ -112,6 +112,17 @@ async def test_postgres_unreachable_at_start_is_said_and_the_proxy_serves(
     assert "hunter2" not in log
 
 
+def postgres_config(tmp_path: Path, postgres: dict[str, Any]) -> Path:
+    """A config file for a proxy on PostgreSQL alone (``storage.postgres`` as given), on free ports, in front of
+    an upstream nobody needs: for the start-up errors below."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
+                                      "listen": {"host": "127.0.0.1", "port": free_port()},
+                                      "admin": {"host": "127.0.0.1", "port": free_port()},
+                                      "storage": {"postgres": postgres}}))
+    return config
+
+
 @pytest.mark.parametrize(("database", "query", "said"), [
     ("idemproxy_no_such_db", "", 'refused the connection: database "idemproxy_no_such_db" does not exist '
                                  "(InvalidCatalogNameError; check storage.postgres.dsn)"),
@@ -127,11 +138,7 @@ def test_postgres_refusing_at_start_is_a_clear_error(
     background. One line says what was said."""
     admin = urlsplit(pg_admin_dsn)  # its own credentials: only the database, or an option, is wrong
     dsn = urlunsplit(admin._replace(path=f"/{database}", query=query))
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
-                                      "listen": {"host": "127.0.0.1", "port": free_port()},
-                                      "admin": {"host": "127.0.0.1", "port": free_port()},
-                                      "storage": {"postgres": {"dsn": dsn}}}))
+    config = postgres_config(tmp_path, {"dsn": dsn})
     for command in ("serve", "migrate"):
         result = run_cli(command, "--config", str(config))
         assert result.returncode == 1, result
@@ -153,11 +160,7 @@ def test_a_postgres_that_refuses_the_schema_at_start_is_one_line_naming_what_to_
         _admin_sql(empty_db, "REVOKE CREATE ON SCHEMA public FROM PUBLIC")  # (PostgreSQL 15's default)
         parts = urlsplit(empty_db)
         dsn = urlunsplit(parts._replace(netloc=f"{role}@{parts.hostname}:{parts.port or 5432}"))
-        config = tmp_path / "c.yaml"
-        config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
-                                          "listen": {"host": "127.0.0.1", "port": free_port()},
-                                          "admin": {"host": "127.0.0.1", "port": free_port()},
-                                          "storage": {"postgres": {"dsn": dsn}}}))
+        config = postgres_config(tmp_path, {"dsn": dsn})
         for command in ("serve", "migrate"):
             result = run_cli(command, "--config", str(config))
             assert result.returncode == 1, result
@@ -180,11 +183,7 @@ def test_a_postgres_the_proxy_cannot_serve_from_is_one_line_at_start_not_a_repli
     parts = urlsplit(empty_db)
     postgres: dict[str, Any] = {"dsn": empty_db, "migrate": "off"} if case == "no-schema" else {
         "dsn": f"{empty_db}?sslmode=verify-full&sslrootcert={tmp_path / 'missing.crt'}"}
-    config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"upstream": {"url": "http://127.0.0.1:1"},
-                                      "listen": {"host": "127.0.0.1", "port": free_port()},
-                                      "admin": {"host": "127.0.0.1", "port": free_port()},
-                                      "storage": {"postgres": postgres}}))
+    config = postgres_config(tmp_path, postgres)
     started = time.monotonic()
     result = run_cli("serve", "--config", str(config))
     assert result.returncode == 1, result
