@@ -628,7 +628,7 @@ class Engine:
 
     async def _settle_answer(
         self, claim: Claim, idem: IdempotencyConfig, upstream: UpstreamResponse,
-        head: bytes, complete: bool, request_id: str, due: asyncio.Future[None], method: str = "",
+        head: bytes, complete: bool, request_id: str, due: asyncio.Future[None], method: str,
     ) -> web.Response | None:
         """Complete or release per the outcome table; a refused completion returns what the record says."""
         stored = StoredResponse(
@@ -822,7 +822,7 @@ def _disposition(status: int, idem: IdempotencyConfig) -> Literal["release", "un
 
 
 def replay_headers(
-    upstream: UpstreamResponse, idem: IdempotencyConfig, request_id: str = "", method: str = ""
+    upstream: UpstreamResponse, idem: IdempotencyConfig, request_id: str, method: str
 ) -> CIMultiDict[str]:
     """The headers a replay may carry: no hop-by-hop, Date, Content-Length (but a HEAD answer's: ``_head_length``)
     or stripped names; plus the executing request's id as Original-Request-Id (only replays carry it: the live

@@ -122,7 +122,6 @@ def _forged(name: str) -> bool:
     return folded.startswith("x-forwarded-") or folded in _FORGED_NAMES
 
 
-
 def hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
     """The standard hop-by-hop names plus every name listed in ``Connection``."""
     listed = headers.getall("Connection", ())
