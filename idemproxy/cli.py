@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from idemproxy import __version__
 from idemproxy.config import (
+    KEY_MAX_LENGTH_LIMIT,
     STORE_KEY_BYTES,
     Config,
     ConfigError,
@@ -29,7 +30,7 @@ from idemproxy.config import (
     load_config_file,
 )
 from idemproxy.logs import setup_logging
-from idemproxy.problems import MissingTenant, StoreUnavailable
+from idemproxy.problems import InvalidKey, MissingTenant, StoreUnavailable
 from idemproxy.tracing import TracingUnavailable, require
 
 log = logging.getLogger("idemproxy")
@@ -218,7 +219,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if not tenant or not args.key:  # no admin route matches /admin/keys/t/: its 404 would read as "API off"
         raise CLIError("TENANT and KEY must not be empty (TENANT is the id the access log shows; KEY the "
                        "Idempotency-Key as sent)")
-    path = "/admin/keys/" + "/".join(urllib.parse.quote(part, safe="") for part in (tenant, args.key))
+    from idemproxy.engine import parse_key  # (as tenant_id above)
+
+    try:  # the key as the proxy reads the header: '"k"' (an sf-string) is the key k, its record k's
+        key = parse_key([args.key], KEY_MAX_LENGTH_LIMIT)
+    except InvalidKey as exc:
+        raise CLIError(f"KEY: {exc.detail}") from exc
+    path = "/admin/keys/" + "/".join(urllib.parse.quote(part, safe="") for part in (tenant, key))
     request = urllib.request.Request(
         admin_url + path, method="GET" if args.action == "show" else "DELETE",
         headers={"Authorization": f"Bearer {token}"},

@@ -619,6 +619,32 @@ async def test_keys_pointed_at_the_proxy_port_sends_no_token_and_says_so(
     assert result.returncode == 1 and "no record for this tenant and key" in result.stderr, result
 
 
+async def test_keys_reads_key_as_the_idempotency_key_header_is_read(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
+) -> None:
+    """KEY is "the Idempotency-Key as sent", and a key sent quoted (an sf-string) is the same key unquoted: the
+    proxy keeps its record under ``q 1``. Given the header's value as sent, ``"q 1"``, `keys show` and `keys release`
+    said there was no record (404), and the key stuck in flight could not be released with it."""
+    proxy = proxy_process({"upstream": {"url": upstream.url}, "admin": {"token": "s3cret"}, "log": {"access": "off"},
+                           "storage": {"embedded": {"path": str(tmp_path / "q.sqlite3")}}})
+    await proxy.start()
+    send = {"Authorization": "Bearer t1", "Idempotency-Key": '"q 1"'}
+    async with aiohttp.ClientSession() as session, session.post(proxy.url + "/v1/charges", headers=send) as resp:
+        assert resp.status == 201
+    keys = ("Bearer t1", '"q 1"', "--credential", "--admin-url", proxy.admin_url, "--token", "s3cret")
+    shown = await asyncio.to_thread(run_cli, "keys", "show", *keys)
+    assert shown.returncode == 0, shown.stderr
+    assert '"key": "q 1"' in shown.stdout and '"state": "completed"' in shown.stdout
+    released = await asyncio.to_thread(run_cli, "keys", "release", *keys)
+    assert released.returncode == 0 and '"deleted": true' in released.stdout, released.stderr
+    async with aiohttp.ClientSession() as session, session.post(proxy.url + "/v1/charges", headers=send) as resp:
+        assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="q 1") == 2
+    # a KEY the proxy would refuse as a header is said to be one, not looked up
+    refused = await asyncio.to_thread(run_cli, "keys", "show", "Bearer t1", '"q', *keys[2:])
+    assert refused.returncode == 1 and refused.stderr.startswith("idemproxy: KEY: "), refused.stderr
+
+
 async def test_keys_talks_to_the_admin_port_directly_whatever_http_proxy_says(
     upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
 ) -> None:
