@@ -307,6 +307,8 @@ class _Connection(asyncio.Protocol):
         parser = self._parser
         assert parser is not None
         status = parser.get_status_code()
+        if status < 100:  # (llhttp takes any three digits: "099" is no 1xx answer, nor a final one; RFC 9110 §15)
+            raise UpstreamProtocolError(f"The upstream answered with the invalid status code {status:03d}.")
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the final one follows
             self._interims += 1
             if self._interims > MAX_INTERIM:  # each is bounded; so is their number (an endless stream of them)

@@ -548,6 +548,30 @@ async def test_the_number_of_interim_answers_is_bounded(
     await until(lambda: upstream.open_now == 0)
 
 
+@pytest.mark.parametrize("first", [b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n",
+                                   b"HTTP/1.1 000 Zero\r\n\r\n", b"HTTP/1.1 050 Odd\r\nContent-Length: 2\r\n\r\nok"])
+async def test_a_status_below_100_is_no_interim_answer_but_a_broken_one(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool], first: bytes
+) -> None:
+    """llhttp reads any three digits as a status: "099" was taken for a 1xx answer (below 200) and handed on to
+    the client of a pass-through as "HTTP/1.1 99 Odd", a status line no client reads (curl: "Unsupported response
+    code"), and the answer after it taken as the final one. RFC 9110 §15: codes outside 100-599 are invalid; one
+    below 100 is not even an interim answer: the answer is broken, with no final status (an outcome unknown)."""
+    async def odd(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(first + b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    upstream = await scripted(odd)
+    handed: list[int] = []
+    with pytest.raises(UpstreamProtocolError) as raised:
+        response = await pools(upstream.url).request(
+            "GET", "/", CIMultiDict(), None, interim=lambda status, reason, headers: handed.append(status))
+        response.release()
+    assert handed == []
+    assert not isinstance(raised.value, UpstreamUnrelayable) and "status" in str(raised.value)
+    await until(lambda: upstream.open_now == 0)
+
+
 @pytest.mark.parametrize("interim", [b"HTTP/1.1 103 Early Hints\r\nConnection: close\r\n\r\n",
                                      b"HTTP/1.0 103 Early Hints\r\n\r\n"])
 async def test_the_answer_after_a_1xx_saying_close_is_read_and_the_connection_not_kept(
