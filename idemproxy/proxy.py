@@ -333,7 +333,7 @@ class Upstream:
         try:
             if _small_answer(request, upstream):
                 with upstream_errors():  # nothing sent to the client yet: a broken body is a proper 502
-                    payload = await upstream.read()
+                    payload = await read_answer(upstream)
                 return upstream_answer(upstream.status, upstream.reason, client_response_headers(upstream), payload)
             return await stream_response(request, upstream)
         finally:
@@ -507,6 +507,18 @@ async def stream_response(
         return response
     await response.write_eof()
     return response
+
+
+async def read_answer(upstream: UpstreamResponse) -> bytes:
+    """The whole body of an answer whose head came: one that breaks off or stalls is the upstream's answer in a
+    form not relayed (502 ``upstream_reset`` with its status, as the engine settles a covered one), not a timeout."""
+    try:
+        return await upstream.read()
+    except (ConnectionError, TimeoutError) as exc:
+        if isinstance(exc, UpstreamUnrelayable):
+            raise
+        what = "a body that stalled" if isinstance(exc, TimeoutError) else "a body that broke off"
+        raise UpstreamUnrelayable(upstream.status, what) from exc
 
 
 async def read_at_most(upstream: UpstreamResponse, limit: int) -> tuple[bytes, bool]:

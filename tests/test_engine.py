@@ -594,6 +594,22 @@ async def test_an_unknown_outcome_with_a_head_too_large_keeps_the_lease_and_pass
     assert problem(body)["original_status"] == 200
 
 
+async def test_a_pass_through_answer_whose_body_breaks_off_or_stalls_gets_502_with_its_status(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """The outcome table's row for a body lost after the head came: 502 upstream_reset with original_status, and
+    "an uncovered request gets the same". A pass-through reads a small declared body whole before answering, and
+    answered a body that broke off with a 502 naming no status, and one that stalled with 504 upstream_timeout (an
+    upstream that did answer, in time)."""
+    proxy = await make_proxy("embedded", upstream={"timeout": "1s"}, idempotency={"lease": "10s"})
+    cut, body = await proxy.post("/v1/things", method="GET", headers={"X-Test-Cut": "1"})
+    assert cut.status == 502 and problem(body)["code"] == "upstream_reset"
+    assert problem(body)["original_status"] == 200 and "broke off" in problem(body)["detail"]
+    stalled, body = await proxy.post("/v1/things", method="GET", headers={"X-Test-Trickle": "3,2"})
+    assert stalled.status == 502 and problem(body)["code"] == "upstream_reset"
+    assert problem(body)["original_status"] == 200 and "stalled" in problem(body)["detail"]
+
+
 async def test_an_answer_too_large_to_store_streams_past_the_upstream_timeout_while_it_flows(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
