@@ -474,6 +474,10 @@ async def stream_response(
     response = _as_sent(web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers), headers)
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
+    elif request.version < HttpVersion11:
+        # No chunked framing for HTTP/1.0: the body ends at the close. aiohttp leaves "Connection: keep-alive" off
+        # such an answer but keeps the connection, so the client waits for the close (or reads the next answer).
+        response.force_close()
     reading = False  # which side failed, if one does: the upstream's read or the client's write
     # A client that takes no bytes for as long as the upstream may stay silent is gone as far as this answer goes:
     # aiohttp's write waits for the client without a bound, and the upstream connection (a pool slot) with it.

@@ -77,6 +77,21 @@ async def test_hop_by_hop_headers_are_dropped_both_ways(
     assert resp.headers["X-Custom"] == "kept"
 
 
+async def test_an_answer_without_length_to_an_http_1_0_keep_alive_client_ends_with_the_connection(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """An HTTP/1.0 client cannot be sent chunked framing: a body of unknown length (a chunked or to-the-close answer,
+    streamed) ends where the connection does. aiohttp (3.14) drops its "Connection: keep-alive" for such an answer
+    but still keeps the connection: the client waited for the close for ever, and a pipelined request's answer was
+    read as the end of this one's body."""
+    proxy = await make_proxy("embedded")
+    request = (b"GET /stream HTTP/1.0\r\nConnection: keep-alive\r\nX-Test-Coding: chunked\r\n\r\n"
+               b"GET /next HTTP/1.0\r\n\r\n")
+    head, _, body = (await send_raw_bytes(proxy.url, request, timeout=10)).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"content-length" not in head.lower()
+    assert b"keep-alive" not in head.lower() and body == b"hello"
+
+
 @pytest.mark.parametrize("key", [None, "auto-1"])
 async def test_the_upstream_gets_no_header_the_client_did_not_send(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, key: str | None
