@@ -260,6 +260,10 @@ class Proxy:
         A handler, not middlewares: aiohttp wraps every middleware in a partial and a coroutine per request.
         """
         request[REQUEST_ID] = self._request_id(request)
+        if request.method == "CONNECT":  # (aiohttp reads the bytes after its head as a tunnel's: no body to forward)
+            tunnel = BadRequest("CONNECT is not supported: this proxy opens no tunnels.").response()
+            tunnel.force_close()
+            return tunnel
         if "Transfer-Encoding" in request.headers:
             refused = _transfer_coding(request)
             if refused is not None:

@@ -754,6 +754,22 @@ async def test_absolute_form_target_is_forwarded_as_its_path(
     assert [e.path_qs for e in upstream.executed] == ["/v1/charges?x=1"]
 
 
+async def test_connect_is_refused_whatever_its_target(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """CONNECT asks for a tunnel (RFC 9110 §9.3.6) and its target is an authority (RFC 9112 §3.2.3). One with a
+    path for a target was forwarded: aiohttp reads every byte after a CONNECT's head as the tunnel's, so its
+    declared body was lost (the upstream got Content-Length: 0), and the upstream's answer reached the client
+    without its body (a 2xx answer to CONNECT has none: the client takes it for a tunnel opened)."""
+    proxy = await make_proxy("embedded")
+    for target in ("/things", "api.example:443"):
+        status, headers, body = await raw_exchange(
+            proxy.port, f"CONNECT {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n", b"abc")
+        assert status == 400 and headers["Connection"] == "close"
+        assert json.loads(body)["code"] == "bad_request"
+    assert upstream.executed == []
+
+
 async def test_asterisk_target_is_a_problem_not_a_500(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
     proxy = await make_proxy("embedded")
     port = proxy.port
