@@ -209,6 +209,8 @@ def request_target(request: web.BaseRequest) -> str:
     url = _target_url(raw)
     if not url.is_absolute() or not url.raw_path.startswith("/"):
         raise BadRequest("The request target must be a path (or an absolute URL).")
+    if not url.raw_query_string and "?" in raw.partition("#")[0]:  # (an empty query, which yarl drops, is one too)
+        return url.raw_path + "?"
     return url.raw_path_qs
 
 

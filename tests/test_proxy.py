@@ -754,6 +754,20 @@ async def test_absolute_form_target_is_forwarded_as_its_path(
     assert [e.path_qs for e in upstream.executed] == ["/v1/charges?x=1"]
 
 
+async def test_an_absolute_form_target_keeps_its_empty_query(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """The query reaches the upstream byte for byte, an empty one ("?" and nothing after it) too, as it does from an
+    origin-form target; yarl's raw_path_qs dropped it from an absolute-form one ("http://api.example/things?" went
+    as "/things", and was fingerprinted so)."""
+    proxy = await make_proxy("embedded")
+    for target in ("/things?", "http://api.example/things?", "http://api.example/things?#top"):
+        status, _, _ = await raw_exchange(
+            proxy.port, f"GET {target} HTTP/1.1\r\nHost: api.example\r\nConnection: close\r\n\r\n")
+        assert status == 200
+    assert [e.path_qs for e in upstream.executed] == ["/things?"] * 3
+
+
 async def test_connect_is_refused_whatever_its_target(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
