@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 import time
 from collections import deque
@@ -39,6 +40,7 @@ _ONE_WRITE = 64 * 1024  # a body up to this size goes out in the same write as t
 MAX_HEAD = 64 * 1024  # an answer's status line and header section, in bytes (Envoy's default is 60 KiB)
 MAX_INTERIM = 100  # 1xx answers before the final one (Go's client stops at 5 where it drops them; these are relayed)
 _NO_BODY_STATUSES = frozenset({204, 304})
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # none in a reason phrase (RFC 9112 §4: HTAB, SP, VCHAR, obs-text)
 
 Interim = Callable[[int, bytes, list[tuple[str, str]]], None]
 """Given a 1xx answer as it comes: its status, its reason phrase's bytes and its headers."""
@@ -309,6 +311,9 @@ class _Connection(asyncio.Protocol):
         status = parser.get_status_code()
         if status < 100:  # (llhttp takes any three digits: "099" is no 1xx answer, nor a final one; RFC 9110 §15)
             raise UpstreamProtocolError(f"The upstream answered with the invalid status code {status:03d}.")
+        if _CONTROL.search(self._reason):  # (llhttp passes any byte but CR and LF; aiohttp would not write it)
+            raise UpstreamUnrelayable(status, "a head that is not valid HTTP/1.1 (a control character in its reason "
+                                              "phrase)")
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the final one follows
             self._interims += 1
             if self._interims > MAX_INTERIM:  # each is bounded; so is their number (an endless stream of them)

@@ -548,6 +548,35 @@ async def test_the_number_of_interim_answers_is_bounded(
     await until(lambda: upstream.open_now == 0)
 
 
+@pytest.mark.parametrize(("answer", "status"), [
+    (b"HTTP/1.1 201 Cre\x01ated\r\nContent-Length: 2\r\n\r\nok", 201),
+    (b"HTTP/1.1 201 Created\x7f\r\nContent-Length: 2\r\n\r\nok", 201),
+    (b"HTTP/1.1 201 A\x00B\r\nContent-Length: 2\r\n\r\nok", 201),
+    (b"HTTP/1.1 103 Early\x1bHints\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok", 0),
+])
+async def test_a_reason_phrase_with_a_control_character_is_a_head_not_valid_http(
+    scripted: Callable[[Answer], Awaitable[ScriptedUpstream]], pools: Callable[..., ConnectionPool],
+    answer: bytes, status: int
+) -> None:
+    """llhttp lets any byte but CR and LF through in a reason phrase, where RFC 9112 §4 allows HTAB, SP, VCHAR and
+    obs-text only; aiohttp then refused to write the status line to the client ("Forbidden control character"): an
+    unhandled exception with its traceback in the log, and the client's connection closed with no answer at all
+    (a 1xx answer's was written to the client raw). Such a head is not valid HTTP/1.1: an answer not relayed."""
+    async def odd(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(answer)
+        return True
+
+    upstream = await scripted(odd)
+    handed: list[int] = []
+    with pytest.raises(UpstreamProtocolError) as raised:
+        response = await pools(upstream.url).request(
+            "GET", "/", CIMultiDict(), None, interim=lambda code, reason, headers: handed.append(code))
+        response.release()
+    assert handed == []
+    assert isinstance(raised.value, UpstreamUnrelayable) and raised.value.status == status
+    assert "reason phrase" in str(raised.value)
+
+
 @pytest.mark.parametrize("first", [b"HTTP/1.1 099 Odd\r\nContent-Length: 0\r\n\r\n",
                                    b"HTTP/1.1 000 Zero\r\n\r\n", b"HTTP/1.1 050 Odd\r\nContent-Length: 2\r\n\r\nok"])
 async def test_a_status_below_100_is_no_interim_answer_but_a_broken_one(
