@@ -322,12 +322,13 @@ class Config:
     def route_for(self, path: str) -> RouteConfig | None:
         """The first route whose prefix matches ``path`` (None: the defaults apply).
 
-        Raises :class:`AmbiguousPath` when ``path`` read as an upstream that merges slashes and resolves dot
-        segments would read it matches another route than ``path`` as sent (``//v1/charges``, or
-        ``/v1/charges/../events``): which of the two the upstream executes is not known here, so neither
-        route's policy can be trusted to apply."""
+        Raises :class:`AmbiguousPath` when ``path`` read as an upstream may read it (``other_readings``: slashes
+        merged and dot segments resolved, or as a URL parser reads it) matches another route than ``path`` as sent
+        (``//v1/charges``, ``/v1/charges/../events``, ``//host/v1/charges``, ``/v1/events\\..\\charges``): which
+        of them the upstream executes is not known here, so no route's policy can be trusted to apply."""
         route = self._first_route(path)
-        if ("//" in path or "/." in path) and self._first_route(normalised_path(path)) is not route:
+        if ("//" in path or "/." in path or "\\" in path) and any(
+                self._first_route(reading) is not route for reading in other_readings(path)):
             raise AmbiguousPath(path)
         return route
 
@@ -339,7 +340,23 @@ class Config:
 
 
 class AmbiguousPath(ValueError):
-    """A path whose routes as sent and as normalised (``normalised_path``) differ."""
+    """A path whose routes as sent and as an upstream may read it (``other_readings``) differ."""
+
+
+def other_readings(path: str) -> list[str]:
+    """The paths an upstream may execute for ``path``: ``normalised_path``; and as a WHATWG URL parser reads it
+    (Node's documented ``new URL(req.url, base)``), a backslash taken for a slash and a leading ``//`` for an
+    authority, as Python's ``urlsplit`` takes a leading ``//`` too: ``//host/v1/charges`` and
+    ``/\\host/v1/charges`` are the path ``/v1/charges`` (on host ``host``), ``/v1/events\\..\\charges`` is
+    ``/v1/charges``."""
+    readings = [normalised_path(path)]
+    slashed = path.replace("\\", "/")
+    if slashed != path:
+        readings.append(normalised_path(slashed))
+    if slashed.startswith("//"):
+        end = slashed.find("/", 2)  # the authority ends at the next slash (a path has no ? or # left)
+        readings.append(normalised_path(slashed[end:] if end >= 0 else "/"))
+    return readings
 
 
 def normalised_path(path: str) -> str:

@@ -175,6 +175,31 @@ async def test_a_path_that_reads_as_another_route_once_normalised_is_refused(
     assert 'idemproxy_request_duration_seconds_count{outcome="invalid_key"} 2.0' in text
 
 
+@pytest.mark.parametrize(
+    "target", [b"//pay.example/v1/charges", b"/\\pay.example/v1/charges", b"/v1/events\\..\\charges"],
+)
+async def test_a_path_that_reads_as_another_route_to_a_url_parser_is_refused(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, target: bytes
+) -> None:
+    """A WHATWG URL parser, as in Node's documented ``new URL(req.url, base)``, reads a backslash as a slash and a
+    leading ``//`` as an authority: ``//pay.example/v1/charges`` and ``/\\pay.example/v1/charges`` are the path
+    ``/v1/charges`` on host ``pay.example`` (Python's ``urlsplit`` reads the first so too), and
+    ``/v1/events\\..\\charges`` is ``/v1/charges``. They went on as sent: the first two unkeyed under no route (the
+    required one skipped), the last as a disabled route's plain pass-through, a charge executed unguarded."""
+    proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True},
+                                     {"prefix": "/v1/events", "enabled": False}])
+    headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
+    for extra in ([], [(b"Idempotency-Key", b"k")]):
+        resp = await send_raw(proxy.url, build_request(b"POST", target, [*headers, *extra], b"{}"))
+        assert resp.status == 400 and json.loads(resp.body)["code"] == "bad_request", resp.body
+    assert upstream.executed == []
+    # a path with a backslash or a leading // whose readings all fall under one route is forwarded as sent
+    for fine in (b"//pay.example/v2/x", b"/v1/charges/a\\b"):
+        resp = await send_raw(proxy.url, build_request(b"POST", fine, [*headers, (b"Idempotency-Key", fine)], b"{}"))
+        assert resp.status == 201, (fine, resp.body)
+    assert [e.path_qs for e in upstream.executed] == ["//pay.example/v2/x", "/v1/charges/a\\b"]
+
+
 async def test_a_path_with_one_reading_is_forwarded_as_sent(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
