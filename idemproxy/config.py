@@ -802,6 +802,11 @@ class _Loader:
         """Whether ``path`` (or an item of it) already has an error: one mistake is reported once."""
         return any(failed == path or failed.startswith((f"{path}.", f"{path}[")) for failed in self._failed)
 
+    def refused(self, path: str) -> bool:
+        """Whether the value at ``path`` itself was refused (a section written as a string, say): a field of it
+        then has no error of its own to add."""
+        return path in self._failed
+
     def invalid(self, path: str, exc: _Invalid) -> None:
         for one in exc.each():
             self.error(path + one.where, str(one))
@@ -930,7 +935,7 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         upstream = None
         if upstream_raw is not None:
             upstream = loader.section(UpstreamConfig, f"{path}.upstream", upstream_raw)
-            if not upstream.url and not loader.failed(f"{path}.upstream.url"):
+            if not (upstream.url or loader.failed(f"{path}.upstream.url") or loader.refused(f"{path}.upstream")):
                 loader.error(f"{path}.upstream.url", "is required when a route names its own upstream")
         routes.append(RouteConfig(prefix=prefix, enabled=enabled, idempotency=idem, upstream=upstream))
     return tuple(routes)
@@ -1022,7 +1027,7 @@ def advisories(config: Config) -> list[str]:
 
 
 def _cross_checks(loader: _Loader, config: Config) -> None:
-    if not config.upstream.url and not loader.failed("upstream.url"):
+    if not (config.upstream.url or loader.failed("upstream.url") or loader.refused("upstream")):
         loader.error("upstream.url", "is required (the API to put idempotency in front of)")
     # Every upstream's timeout against the lease of every route that uses it (paths matching no route use
     # the top-level upstream with the idempotency defaults).

@@ -833,3 +833,21 @@ def test_the_admin_port_cannot_be_the_proxy_port(tmp_path: Path) -> None:
     load_config({"upstream": UP, "listen": {"host": "10.0.0.5", "port": 8080},
                  "admin": {"host": "127.0.0.1", "port": 8080}}, env={})
     load_config({"upstream": UP, "listen": {"port": 0}, "admin": {"port": 0}}, env={})
+
+
+@pytest.mark.parametrize(("raw", "path"), [
+    ({"upstream": "http://api:9000"}, "upstream"),
+    ({"upstream": UP, "routes": [{"prefix": "/v1/payouts", "upstream": "http://payouts:9000"}]}, "routes[0].upstream"),
+    ({"upstream": UP, "routes": [{"prefix": "/v1/payouts", "upstream": ["http://payouts:9000"]}]},
+     "routes[0].upstream"),
+])
+def test_an_upstream_written_as_its_url_is_one_error(raw: dict[str, Any], path: str) -> None:
+    """`upstream: http://api:9000` (the `url:` forgotten) was two errors, "not a mapping" and "url is required",
+    for one mistake (review of routes[].upstream, 2026-11-27)."""
+    errors = errors_of(raw)
+    assert len(errors) == 1 and errors[0].startswith(f"{path}: a "), errors
+    assert "not a mapping" in errors[0]
+    # a section that is a mapping keeps both its errors: a bad field and the url missing are two mistakes
+    assert errors_of({"upstream": {"timeout": "soon"}}) == [
+        "upstream.timeout: 'soon' is not a duration (use e.g. 500ms, 30s, 24h)",
+        "upstream.url: is required (the API to put idempotency in front of)"]
