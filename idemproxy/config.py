@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import unquote_plus, urlsplit, urlunsplit
+from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
 
 import yaml
 
@@ -930,6 +930,9 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         elif not isinstance(prefix, str) or not prefix.startswith("/"):
             loader.error(f"{path}.prefix", f"{prefix!r} must be a path starting with '/'")
             prefix = "/"
+        elif unquote(prefix) != prefix:  # (routes match request.path, decoded: an escape there would never match)
+            loader.error(f"{path}.prefix", f"{prefix!r} is matched against the decoded path (%-escapes read as the "
+                         f"characters they stand for): write it decoded ({unquote(prefix)!r})")
         enabled = loader.parse(f"{path}.enabled", _bool, enabled_raw, True)
         idem = loader.section(IdempotencyConfig, path, overrides, base=defaults, also_known=_ROUTE_OWN_KEYS)
         upstream = None

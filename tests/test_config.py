@@ -851,3 +851,15 @@ def test_an_upstream_written_as_its_url_is_one_error(raw: dict[str, Any], path: 
     assert errors_of({"upstream": {"timeout": "soon"}}) == [
         "upstream.timeout: 'soon' is not a duration (use e.g. 500ms, 30s, 24h)",
         "upstream.url: is required (the API to put idempotency in front of)"]
+
+
+@pytest.mark.parametrize(("prefix", "decoded"), [("/v1/caf%C3%A9", "/v1/café"), ("/v1/a%20b", "/v1/a b"),
+                                                 ("/v1/x%2Fy", "/v1/x/y")])
+def test_a_prefix_written_percent_encoded_is_refused(prefix: str, decoded: str) -> None:
+    """Routes match the decoded path (``/v1/%63harges`` falls under /v1/charges), so a prefix written as a path is
+    sent, percent-encoded, matched nothing: a `required` route never applied, silently (audit, 2026-11-27)."""
+    assert errors_of({"upstream": UP, "routes": [{"prefix": prefix, "required": True}]}) == [
+        f"routes[0].prefix: {prefix!r} is matched against the decoded path (%-escapes read as the characters they "
+        f"stand for): write it decoded ({decoded!r})"]
+    route = load_config({"upstream": UP, "routes": [{"prefix": decoded, "required": True}]}, env={}).routes[0]
+    assert route.prefix == decoded
