@@ -323,11 +323,12 @@ class Config:
         """The first route whose prefix matches ``path`` (None: the defaults apply).
 
         Raises :class:`AmbiguousPath` when ``path`` read as an upstream may read it (``other_readings``: slashes
-        merged and dot segments resolved, or as a URL parser reads it) matches another route than ``path`` as sent
-        (``//v1/charges``, ``/v1/charges/../events``, ``//host/v1/charges``, ``/v1/events\\..\\charges``): which
-        of them the upstream executes is not known here, so no route's policy can be trusted to apply."""
+        merged and dot segments resolved, or as a URL parser or a Servlet container reads it) matches another route
+        than ``path`` as sent (``//v1/charges``, ``/v1/charges/../events``, ``//host/v1/charges``,
+        ``/v1/events\\..\\charges``, ``/v1;x=1/charges``): which of them the upstream executes is not known here,
+        so no route's policy can be trusted to apply."""
         route = self._first_route(path)
-        if ("//" in path or "/." in path or "\\" in path) and any(
+        if ("//" in path or "/." in path or "\\" in path or ";" in path) and any(
                 self._first_route(reading) is not route for reading in other_readings(path)):
             raise AmbiguousPath(path)
         return route
@@ -343,12 +344,16 @@ class AmbiguousPath(ValueError):
     """A path whose routes as sent and as an upstream may read it (``other_readings``) differ."""
 
 
+_PATH_PARAMETERS = re.compile(r";[^/]*")
+
+
 def other_readings(path: str) -> list[str]:
-    """The paths an upstream may execute for ``path``: ``normalised_path``; and as a WHATWG URL parser reads it
+    """The paths an upstream may execute for ``path``: ``normalised_path``; as a WHATWG URL parser reads it
     (Node's documented ``new URL(req.url, base)``), a backslash taken for a slash and a leading ``//`` for an
     authority, as Python's ``urlsplit`` takes a leading ``//`` too: ``//host/v1/charges`` and
     ``/\\host/v1/charges`` are the path ``/v1/charges`` (on host ``host``), ``/v1/events\\..\\charges`` is
-    ``/v1/charges``."""
+    ``/v1/charges``; and as a Servlet container reads it (Tomcat, Jetty, Spring's ``UrlPathHelper``), each
+    segment's ``;`` parameters dropped: ``/v1;x=1/charges`` and ``/v1/events/..;/charges`` are ``/v1/charges``."""
     readings = [normalised_path(path)]
     slashed = path.replace("\\", "/")
     if slashed != path:
@@ -356,6 +361,8 @@ def other_readings(path: str) -> list[str]:
     if slashed.startswith("//"):
         end = slashed.find("/", 2)  # the authority ends at the next slash (a path has no ? or # left)
         readings.append(normalised_path(slashed[end:] if end >= 0 else "/"))
+    if ";" in path:  # Servlet containers drop each segment's ;parameters, then resolve dot segments
+        readings.append(normalised_path(_PATH_PARAMETERS.sub("", path)))
     return readings
 
 

@@ -200,6 +200,27 @@ async def test_a_path_that_reads_as_another_route_to_a_url_parser_is_refused(
     assert [e.path_qs for e in upstream.executed] == ["//pay.example/v2/x", "/v1/charges/a\\b"]
 
 
+@pytest.mark.parametrize("target", [b"/v1;x=1/charges", b"/v1/events/..;/charges"])
+async def test_a_path_that_reads_as_another_route_to_a_servlet_container_is_refused(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, target: bytes
+) -> None:
+    """Servlet containers (Tomcat, Jetty; Spring's UrlPathHelper too) drop each segment's ``;`` parameters before
+    they resolve dot segments: ``/v1;x=1/charges`` and ``/v1/events/..;/charges`` are ``/v1/charges`` there (the
+    ``..;/`` of Tomcat behind another proxy). They went on as sent, unkeyed under no route or as a disabled route's
+    plain pass-through."""
+    proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True},
+                                     {"prefix": "/v1/events", "enabled": False}])
+    headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
+    for extra in ([], [(b"Idempotency-Key", b"k")]):
+        resp = await send_raw(proxy.url, build_request(b"POST", target, [*headers, *extra], b"{}"))
+        assert resp.status == 400 and json.loads(resp.body)["code"] == "bad_request", resp.body
+    assert upstream.executed == []
+    # parameters that leave the route as it is go on as sent
+    keyed = [*headers, (b"Idempotency-Key", b"param")]
+    resp = await send_raw(proxy.url, build_request(b"POST", b"/v1/charges;v=2", keyed, b"{}"))
+    assert resp.status == 201 and [e.path_qs for e in upstream.executed] == ["/v1/charges;v=2"]
+
+
 async def test_a_path_with_one_reading_is_forwarded_as_sent(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
