@@ -247,7 +247,7 @@ class Proxy:
         key_headers = frozenset(idem.header.lower() for idem in (
             self.config.idempotency, *(route.idempotency for route in self.config.routes)))
         return _Server(self._serve, request_factory=request_factory, key_headers=key_headers,
-                       on_bad_key=self._count_unreadable_key, **settings)
+                       on_bad_key=self._count_unreadable_key, request_ids=True, **settings)
 
     def _count_unreadable_key(self, request: web.BaseRequest) -> None:
         """A key header the parser refused is an ``invalid_key`` like any other (route and method unknown:
@@ -457,6 +457,7 @@ class _ProblemRequestHandler(RequestHandler):
 
     key_headers: frozenset[str] = frozenset()  # lower-case names of the idempotency key header (all routes)
     on_bad_key: Callable[[web.BaseRequest], None] = staticmethod(lambda _request: None)  # counts the request
+    request_ids = False  # (the proxy port) every answer carries a request id: the log line names it too
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -469,8 +470,14 @@ class _ProblemRequestHandler(RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         problem: Problem
+        # The id this answer will carry (``_on_proxy_response``), in its log line: the request is found by it.
+        named = ""
+        if self.request_ids:
+            request[REQUEST_ID] = request.get(REQUEST_ID) or new_request_id()
+            named = f", request id {request[REQUEST_ID]}"
         if 400 <= status < 500:
-            log.info("refused a request that is not valid HTTP/1.1 (%s)", type(exc).__name__ if exc else status)
+            log.info("refused a request that is not valid HTTP/1.1 (%s)%s", type(exc).__name__ if exc else status,
+                     named)
             # The parser's message quotes the line it refused, as b'Name: value': the name alone says whether it
             # was the key (never logged or echoed: the value may be a credential).
             quoted = (message or "").lower()
@@ -482,7 +489,7 @@ class _ProblemRequestHandler(RequestHandler):
                 problem = BadRequest("The request is not valid HTTP/1.1 (for example, a header value holding a "
                                      "control character); nothing was forwarded.", status=status)
         else:
-            log.error("unexpected error handling a request", exc_info=exc)
+            log.error("unexpected error handling a request%s", named, exc_info=exc)
             problem = Problem("The proxy failed to handle the request.", status=status)
         if request.writer.output_size > 0:  # as aiohttp: an answer was started, the connection is broken
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
@@ -495,15 +502,17 @@ class _Server(web.Server):
     """aiohttp's low-level server, with :class:`_ProblemRequestHandler` for each connection."""
 
     def __init__(self, *args: Any, key_headers: frozenset[str], on_bad_key: Callable[[web.BaseRequest], None],
-                 **kwargs: Any) -> None:
+                 request_ids: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.key_headers = key_headers
         self.on_bad_key = on_bad_key
+        self.request_ids = request_ids
 
     def __call__(self) -> RequestHandler:
         handler = _ProblemRequestHandler(self, loop=self._loop, **self._kwargs)
         handler.key_headers = self.key_headers
         handler.on_bad_key = self.on_bad_key
+        handler.request_ids = self.request_ids
         return handler
 
 

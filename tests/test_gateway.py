@@ -284,6 +284,23 @@ async def test_the_access_log_names_the_request_id(
     assert re.fullmatch(r"POST /r 20[01] forwarded [0-9.]+ms logged-1", lines[0].getMessage()), lines[0].getMessage()
 
 
+@pytest.mark.parametrize("head", [b"GARBAGE\r\n\r\n", b"POST /r HTTP/1.1\r\nHost: h\r\nX-A: a\x01b\r\n\r\n",
+                                  b"POST /r HTTP/1.1\r\nHost: h\r\nIdempotency-Key: a\x7fb\r\n\r\n"])
+async def test_a_request_the_parser_refused_is_logged_with_the_request_id_it_got(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture, head: bytes
+) -> None:
+    """aiohttp's parser refuses a request before the handler sees it, and the proxy answers it with a problem that
+    carries a request id like every other answer; but the one log line such a request writes named only the
+    parser's error class: the id its client got stood in no log line, and the request could not be found by it."""
+    proxy = await make_proxy("embedded", log={"access": "info"})
+    with caplog.at_level(logging.INFO, logger="idemproxy"):
+        resp = await send_raw(proxy.url, head)
+    assert resp.status == 400 and problem(resp.body)["code"] in ("bad_request", "invalid_key")
+    request_id = resp.headers["x-request-id"]
+    assert [r for r in caplog.records if request_id in r.getMessage()], [r.getMessage() for r in caplog.records]
+    assert upstream.executed == []
+
+
 # ------------------------------------------------------------------ other status conventions
 
 
