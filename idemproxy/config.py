@@ -366,6 +366,12 @@ def other_readings(path: str) -> list[str]:
     return readings
 
 
+def _unresolved(prefix: str) -> bool:
+    """Whether a route prefix holds what ``other_readings`` resolves away (no path under it then reads as itself)."""
+    segments = prefix.split("/")[1:]
+    return ";" in prefix or "\\" in prefix or "" in segments[:-1] or any(s in (".", "..") for s in segments)
+
+
 def normalised_path(path: str) -> str:
     """``path`` with repeated slashes merged and ``.`` / ``..`` segments resolved (RFC 3986 §5.2.4), a trailing
     slash kept: ``//a/./b/../c/`` → ``/a/c/``."""
@@ -940,6 +946,10 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         elif unquote(prefix) != prefix:  # (routes match request.path, decoded: an escape there would never match)
             loader.error(f"{path}.prefix", f"{prefix!r} is matched against the decoded path (%-escapes read as the "
                          f"characters they stand for): write it decoded ({unquote(prefix)!r})")
+        elif _unresolved(prefix):  # (every path under it would read as another at the upstream: AmbiguousPath)
+            loader.error(f"{path}.prefix", f"{prefix!r} holds a repeated slash, a '.' or '..' segment, a ';' parameter "
+                         "or a backslash: every request under it would be refused (400 bad_request) as a path an "
+                         "upstream reads as another; write it resolved")
         enabled = loader.parse(f"{path}.enabled", _bool, enabled_raw, True)
         idem = loader.section(IdempotencyConfig, path, overrides, base=defaults, also_known=_ROUTE_OWN_KEYS)
         upstream = None

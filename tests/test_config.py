@@ -863,3 +863,17 @@ def test_a_prefix_written_percent_encoded_is_refused(prefix: str, decoded: str) 
         f"stand for): write it decoded ({decoded!r})"]
     route = load_config({"upstream": UP, "routes": [{"prefix": decoded, "required": True}]}, env={}).routes[0]
     assert route.prefix == decoded
+
+
+@pytest.mark.parametrize("prefix", ["/v1//charges", "/v1/./charges", "/v1/x/../charges", "/v1/charges/.",
+                                    "/v1;v=2/charges", "/v1\\charges"])
+def test_a_prefix_no_path_could_reach_unambiguously_is_refused(prefix: str) -> None:
+    """A path under a prefix with a repeated slash, a dot segment, a ``;`` parameter or a backslash reads as another
+    route once an upstream resolves it (``Config.route_for``), so every request under it was refused with 400
+    ``bad_request``, a route that could never serve (audit, 2026-11-27)."""
+    errors = errors_of({"upstream": UP, "routes": [{"prefix": prefix, "required": True}]})
+    assert len(errors) == 1 and errors[0].startswith(f"routes[0].prefix: {prefix!r} "), errors
+    assert "every request under it" in errors[0]
+    for fine in ("/.well-known/", "/v1/charges..x", "/v1/charges/"):  # no such segment: taken
+        config = load_config({"upstream": UP, "routes": [{"prefix": fine, "required": True}]}, env={})
+        assert config.route_for(fine + "x") is config.routes[0]
