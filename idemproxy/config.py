@@ -15,6 +15,7 @@ import math
 import os
 import re
 import secrets
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -1186,17 +1187,24 @@ def _parse_yaml(path: str | os.PathLike[str], text: str) -> Any:
         written.append(match.group(0))
         return f"idemproxyref{nonce}n{len(written) - 1}x"
 
+    placeholder = re.compile(f"idemproxyref{nonce}n([0-9]+)x")
+    loader = yaml.SafeLoader(_ENV.sub(shield, text) if "${" in text else text)
     try:
-        raw = yaml.safe_load(_ENV.sub(shield, text) if "${" in text else text)
+        node = loader.get_single_node()
+        repeated = _repeated_keys(node, lambda key: placeholder.sub(lambda m: written[int(m.group(1))], key))
+        raw = loader.construct_document(node) if node is not None and not repeated else None
     except yaml.YAMLError as exc:
         # Where and what, in one line; never the excerpt PyYAML quotes, which may hold a secret.
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "cannot be parsed"
         raise ConfigError([f"{path}: not valid YAML{where}: {problem}"]) from None
+    finally:
+        loader.dispose()
+    if repeated:
+        raise ConfigError(repeated)
     if not written:
         return raw
-    placeholder = re.compile(f"idemproxyref{nonce}n([0-9]+)x")
 
     def unshield(value: Any) -> Any:
         if isinstance(value, str):
@@ -1208,6 +1216,42 @@ def _parse_yaml(path: str | os.PathLike[str], text: str) -> Any:
         return value
 
     return unshield(raw)
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _repeated_keys(node: yaml.Node | None, written: Callable[[str], str]) -> list[str]:
+    """Every key a mapping gives twice, by its path: YAML would keep the last one without a word, so a second
+    ``idempotency:`` block, or a second ``lease:``, would silently undo the first. A merge key's (``<<``) keys may
+    be overridden, as merging means; an alias is the node it names, walked once. ``written``: a key as written
+    (its ``${NAME}`` references back in place)."""
+    errors: list[str] = []
+    walked: set[int] = set()
+    pending: deque[tuple[yaml.Node, str]] = deque([(node, "")] if node is not None else [])
+    while pending:
+        current, path = pending.popleft()
+        if id(current) in walked:
+            continue
+        walked.add(id(current))
+        if isinstance(current, yaml.SequenceNode):
+            pending.extend((item, f"{path}[{index}]") for index, item in enumerate(current.value))
+        elif isinstance(current, yaml.MappingNode):
+            lines: dict[tuple[str, str], int] = {}
+            for key, value in current.value:
+                if key.tag == _MERGE_TAG or not isinstance(key, yaml.ScalarNode):
+                    pending.append((value, path))
+                    continue
+                name = _key_name(written(key.value))
+                child = f"{path}.{name}" if path else name
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in lines:
+                    errors.append(f"{child}: given twice (lines {lines[key.tag, key.value]} and {line}); YAML "
+                                  "would keep only the last: write it once")
+                else:
+                    lines[key.tag, key.value] = line
+                pending.append((value, child))
+    return errors
 
 
 # --------------------------------------------------------------------------- output

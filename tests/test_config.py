@@ -877,3 +877,30 @@ def test_a_prefix_no_path_could_reach_unambiguously_is_refused(prefix: str) -> N
     for fine in ("/.well-known/", "/v1/charges..x", "/v1/charges/"):  # no such segment: taken
         config = load_config({"upstream": UP, "routes": [{"prefix": fine, "required": True}]}, env={})
         assert config.route_for(fine + "x") is config.routes[0]
+
+
+def test_a_key_given_twice_is_refused_naming_its_path_not_silently_dropped(tmp_path: Path) -> None:
+    # YAML keeps the last of two equal keys without a word: a second `idempotency:` block would silently undo the
+    # first one's ttl, a second `lease:` the first. Each key given twice is named by its path and its lines.
+    path = tmp_path / "c.yaml"
+    path.write_text("upstream: {url: http://127.0.0.1:9000}\n"
+                    "idempotency:\n  ttl: 72h\n  lease: 90s\n  lease: 40s\n"
+                    "routes:\n  - {prefix: /v1/charges, required: true, required: false}\n"
+                    "idempotency: {in_flight: wait}\n")
+    result = check_config(path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "idemproxy: invalid configuration: idempotency: given twice (lines 2 and 8); YAML would keep only the "
+        "last: write it once",
+        "idemproxy: invalid configuration: idempotency.lease: given twice (lines 4 and 5); YAML would keep only "
+        "the last: write it once",
+        "idemproxy: invalid configuration: routes[0].required: given twice (lines 7 and 7); YAML would keep only "
+        "the last: write it once",
+    ]
+    # A merge key's keys may still be overridden (that is what `<<` is for), and an alias is no repetition.
+    path.write_text("upstream: &up {url: http://127.0.0.1:9000, timeout: 10s}\n"
+                    "idempotency: &idem {ttl: 1h, lease: 30s}\n"
+                    "routes:\n  - {prefix: /a, <<: *idem, ttl: 2h}\n  - {prefix: /b, upstream: *up}\n")
+    config = load_config_file(path, env={})
+    assert config.routes[0].idempotency.ttl == 7200 and config.routes[0].idempotency.lease == 30
+    assert config.routes[1].upstream is not None and config.routes[1].upstream.timeout == 10
