@@ -78,13 +78,24 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("gen-key", help="print a new storage.encryption key (base64 of 32 random bytes)")
 
     demo = sub.add_parser("demo", help="a sample payments API behind idemproxy, on the embedded store")
-    demo.add_argument("--port", type=int, default=8080, help="proxy port (default 8080)")
-    demo.add_argument("--upstream-port", type=int, default=9000, help="sample API port (default 9000)")
-    demo.add_argument("--admin-port", type=int, default=9090)
+    demo.add_argument("--port", type=_port, default=8080, help="proxy port (default 8080)")
+    demo.add_argument("--upstream-port", type=_port, default=9000, help="sample API port (default 9000)")
+    demo.add_argument("--admin-port", type=_port, default=9090, help="admin port: /metrics (default 9090)")
     demo.add_argument("--store", default="idemproxy-demo.sqlite3", help="embedded store file")
     demo.add_argument("--api-only", action="store_true",
                       help="run only the sample payments API, on 0.0.0.0 (for docker compose)")
     return parser
+
+
+def _port(text: str) -> int:
+    """A demo port: the demo has no config file whose key an error could name, so its flag is named."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port (1..65535)")
+    return port
 
 
 _FLAGS = {"upstream.url": "upstream", "listen.port": "port", "admin.port": "admin_port", "workers": "workers"}

@@ -9,7 +9,7 @@ import textwrap
 
 from aiohttp import web
 
-from idemproxy.app import AdminRunner, Proxy
+from idemproxy.app import AdminRunner, CannotListen, Proxy
 from idemproxy.config import load_config
 
 CHARGE_DELAY = 0.2  # seconds: slow enough that a double-submit visibly overlaps the first request
@@ -86,11 +86,21 @@ async def _until_signalled() -> None:
     await stop.wait()
 
 
+async def _listen(runner: web.BaseRunner, host: str, port: int, flag: str) -> None:
+    """Listen on one of the demo's ports; one that is taken names the flag to change (the demo has no config)."""
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).rpartition("): ")[2]  # (asyncio names the address again first)
+        raise CannotListen(f"{flag}: cannot listen on {host}:{port} ({reason.lower()}); give another port with "
+                           f"{flag} N") from exc
+
+
 async def run_api(port: int) -> None:
     """The sample payments API alone (the upstream of the docker compose stack)."""
     runner = web.AppRunner(payments_app(), access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "0.0.0.0", port).start()
+    await _listen(runner, "0.0.0.0", port, "--upstream-port")
     print(f"sample payments API on :{port}", flush=True)
     try:
         await _until_signalled()
@@ -108,14 +118,14 @@ async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: s
     })
     upstream_runner = web.AppRunner(payments_app(), access_log=None)
     await upstream_runner.setup()
-    await web.TCPSite(upstream_runner, "127.0.0.1", upstream_port).start()
+    await _listen(upstream_runner, "127.0.0.1", upstream_port, "--upstream-port")
     proxy = Proxy(config)
     runners = [proxy.runner(access_log=None),
                AdminRunner(proxy.admin_app(), access_log=None)]
     try:
-        for runner, listen_port in zip(runners, (port, admin_port), strict=True):
+        for runner, listen_port, flag in zip(runners, (port, admin_port), ("--port", "--admin-port"), strict=True):
             await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", listen_port).start()
+            await _listen(runner, "127.0.0.1", listen_port, flag)
         print(instructions(port, admin_port), flush=True)
         await _until_signalled()
     finally:

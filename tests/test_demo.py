@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -91,3 +92,28 @@ async def test_the_printed_scenarios_behave_as_described(demo: tuple[subprocess.
         for n, expected in ((1, 200), (2, 200), (3, 404)):
             async with session.get(f"{base}/v1/charges/ch_{n:06d}") as resp:
                 assert resp.status == expected
+
+
+@pytest.mark.parametrize("flag", ["--port", "--upstream-port", "--admin-port"])
+def test_a_port_in_use_or_out_of_range_names_the_flag_to_change(flag: str, tmp_path: Path) -> None:
+    # `make demo` on a machine where 8080, 9000 or 9090 is taken is a first try's likeliest failure: the line must
+    # say which of the demo's flags to change, not only an address (or a config key the user never wrote).
+    ports = {name: free_port() for name in ("--port", "--upstream-port", "--admin-port")}
+
+    def run(port: str) -> subprocess.CompletedProcess[str]:
+        args = [str(item) for name, value in ports.items() for item in (name, port if name == flag else value)]
+        return subprocess.run([sys.executable, "-m", "idemproxy", "demo", *args, "--store",
+                               str(tmp_path / "demo.sqlite3")], capture_output=True, text=True, timeout=60)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[flag]))
+        taken.listen()
+        busy = run(str(ports[flag]))
+    assert busy.returncode == 1 and "Traceback" not in busy.stderr
+    assert busy.stderr.splitlines()[-1] == (
+        f"idemproxy: {flag}: cannot listen on 127.0.0.1:{ports[flag]} (address already in use); "
+        f"give another port with {flag} N")
+    wrong = run("99999")
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert wrong.stderr.splitlines() == [
+        f"idemproxy demo: argument {flag}: 99999 is not a port (1..65535) (see: idemproxy demo --help)"]
