@@ -1169,7 +1169,11 @@ def load_config_file(
             raise ConfigError([f"{path}: cannot read the file ({exc.strerror})"]) from exc
         except UnicodeDecodeError as exc:
             raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start})"]) from exc
-        raw = _parse_yaml(path, text)
+        try:
+            return load_config(_parse_yaml(path, text), env=env, overrides=overrides)
+        except RecursionError:  # (the parser's, or the loader's walk over a value that holds itself)
+            raise ConfigError([f"{path}: a value is nested too deeply, or holds itself through an alias (`*name` "
+                               "inside the value anchored `&name`): write it out"]) from None
     return load_config(raw, env=env, overrides=overrides)
 
 

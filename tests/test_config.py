@@ -904,3 +904,18 @@ def test_a_key_given_twice_is_refused_naming_its_path_not_silently_dropped(tmp_p
     config = load_config_file(path, env={})
     assert config.routes[0].idempotency.ttl == 7200 and config.routes[0].idempotency.lease == 30
     assert config.routes[1].upstream is not None and config.routes[1].upstream.timeout == 10
+
+
+@pytest.mark.parametrize("text", ["rec: &a [1, *a]\n", "idempotency: &i {ttl: 5s, x: *i}\n",
+                                  "x: " + "[" * 3000 + "]" * 3000 + "\n"])
+def test_a_value_holding_itself_or_nested_too_deeply_is_one_line_naming_the_file(text: str, tmp_path: Path
+                                                                                   ) -> None:
+    # An alias inside the value it names is valid YAML, and a value that holds itself (or 3000 brackets deep)
+    # ran the loader out of stack: "unexpected RecursionError", naming neither the file nor what to fix.
+    path = tmp_path / "c.yaml"
+    path.write_text("upstream: {url: http://127.0.0.1:9000}\n" + text)
+    result = check_config(path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"idemproxy: invalid configuration: {path}: a value is nested too deeply, or holds itself through an alias "
+        "(`*name` inside the value anchored `&name`): write it out"]
