@@ -377,6 +377,11 @@ def _own_ports(admin: list[Any], listen: list[Any]) -> None:
                                    "address): the proxy and its admin API need ports of their own")
 
 
+def _bound_port(runner: web.BaseRunner, port: int) -> int:
+    """The port as bound: the one the system picked for a configured 0, which the start-up line must name."""
+    return int(runner.addresses[0][1]) if port == 0 and runner.addresses else port
+
+
 async def serve(config: Config, *, reuse_port: bool = False) -> None:
     """Run until SIGTERM/SIGINT; then drain (CONTRACT "Draining") and stop. A second signal exits at once."""
     proxy = Proxy(config, ready_after_start=False)
@@ -416,9 +421,9 @@ async def serve(config: Config, *, reuse_port: bool = False) -> None:
             log.warning("%s", note)
         log.info(
             "idemproxy serving on %s:%d -> %s (store: %s); admin on %s:%d; effective config: %s",
-            config.listen.host, config.listen.port,
+            config.listen.host, _bound_port(proxy_runner, config.listen.port),
             ", ".join(dict.fromkeys(SecretURL(u.base).masked() for u in proxy.upstreams)),  # (a URL once)
-            proxy.store.backend, config.admin.host, config.admin.port,
+            proxy.store.backend, config.admin.host, _bound_port(admin_runner, config.admin.port),
             json.dumps(to_plain(config), separators=(",", ":")),
         )
         await stop.wait()

@@ -717,3 +717,33 @@ def test_the_admin_api_and_the_proxy_never_share_a_port_under_another_name(tmp_p
         proc.wait()
     assert proc.returncode == 1, err[-1500:]
     assert f"admin.port: {port} is listen.port too" in err, err[-1500:]
+
+
+async def test_ports_the_system_picks_are_named_in_the_start_up_line(upstream: RecordingUpstream, tmp_path: Path
+                                                                     ) -> None:
+    """`--port 0` (and `admin.port: 0`) are accepted, the system picking the port: the start-up line must name the
+    ports it picked, or nobody can reach the proxy ("serving on 127.0.0.1:0" named none)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1"}, "admin": {"host": "127.0.0.1", "port": 0},
+                                      "upstream": {"url": upstream.url}, "tenant": {"from": "static"},
+                                      "storage": {"embedded": {"path": str(tmp_path / "s.sqlite3")}},
+                                      "drain_delay": "0s"}))
+    proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config), "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = await asyncio.to_thread(lambda: next(
+            (line for line in proc.stderr or () if "serving on" in line), ""))
+        found = re.search(r"serving on 127\.0\.0\.1:(\d+) .* admin on 127\.0\.0\.1:(\d+);", line)
+        assert found, line
+        port, admin_port = int(found[1]), int(found[2])
+        assert port and admin_port
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{admin_port}/healthz") as resp:
+                assert resp.status == 200
+            async with session.post(f"http://127.0.0.1:{port}/v1/x", headers={"Idempotency-Key": "k"}) as resp:
+                assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
