@@ -559,6 +559,15 @@ def _forwarded_header(value: Any) -> str:
     return name
 
 
+def _response_header(value: Any) -> str:
+    """A header name this hop writes into every response (the replay marker, the request id): never one that
+    frames the message, or the answer would carry two framings, or one that is not its body's."""
+    name = _token(value)
+    if name.lower() in HOP_BY_HOP or name.lower() == "content-length":
+        raise _Invalid(f"{value!r} frames the HTTP message (this hop writes it): name another header")
+    return name
+
+
 def _list(item: Callable[[Any], T]) -> Callable[[Any], tuple[T, ...]]:
     def parse(value: Any) -> tuple[T, ...]:
         if isinstance(value, _EnvList):  # a list that is one ``${NAME}`` (``_Loader.parse``)
@@ -731,7 +740,7 @@ _IDEMPOTENCY_SPEC: _Spec = {
     "on_unknown_outcome": _choice("keep_lease", "release", "store"),
     "canonical_json": _bool,
     "fingerprint_headers": _list(_forwarded_header),
-    "replay_header": _token,
+    "replay_header": _response_header,
     "strip_replay_headers": _list(_token),
     "max_request_body": parse_size,
     "max_stored_response": parse_size,
@@ -756,7 +765,7 @@ _SPECS: dict[type[Any], _Spec] = {
         "ready_requires_store": _bool,
     },
     ForwardedConfig: {"trusted_proxies": _list(_network)},
-    RequestIdConfig: {"header": _token},
+    RequestIdConfig: {"header": _response_header},
     UpstreamConfig: {
         "url": _upstream_url,
         "connect_timeout": _positive_duration,
@@ -1059,6 +1068,10 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
             loader.error(f"{path}.fingerprint_headers", f"{config.request_id.header!r} is request_id.header: each "
                          "attempt has its own (this hop makes one when the client's is missing or malformed), so "
                          "every retry would be another payload")
+        if idem.replay_header.lower() == config.request_id.header.lower() and (
+                path == "idempotency" or idem.replay_header != config.idempotency.replay_header):  # (said once)
+            loader.error(f"{path}.replay_header", f"{idem.replay_header!r} is request_id.header too: each would "
+                         "overwrite the other in every response")
         if idem.lease <= upstream.timeout:
             loader.error(
                 f"{path}.lease",

@@ -919,3 +919,36 @@ def test_a_value_holding_itself_or_nested_too_deeply_is_one_line_naming_the_file
     assert result.stderr.splitlines() == [
         f"idemproxy: invalid configuration: {path}: a value is nested too deeply, or holds itself through an alias "
         "(`*name` inside the value anchored `&name`): write it out"]
+
+
+@pytest.mark.parametrize("name", ["Content-Length", "Transfer-Encoding", "connection", "Keep-Alive"])
+@pytest.mark.parametrize("section", ["idempotency.replay_header", "routes[0].replay_header", "request_id.header"])
+def test_a_header_the_proxy_writes_into_responses_cannot_be_a_framing_header(section: str, name: str) -> None:
+    # The proxy writes replay_header ("true"/"false") and request_id.header (the id, taken from the request) into
+    # every response: named Content-Length, the response's framing was replaced (an unhandled exception and an
+    # empty reply; with request_id.header the request's own length framed a longer answer, whose rest was read as
+    # the next response); named Transfer-Encoding, the answer had two framings. Refused, naming the key.
+    raw: dict[str, Any] = {"upstream": UP, "routes": [{"prefix": "/a"}]}
+    key, _, field = section.rpartition(".")
+    if key == "routes[0]":
+        raw["routes"][0][field] = name
+    else:
+        raw[key] = {field: name}
+    assert errors_of(raw) == [f"{section}: {name!r} frames the HTTP message (this hop writes it): name another "
+                              "header"]
+
+
+def test_the_replay_header_cannot_be_the_request_id_header() -> None:
+    # Both written into every response: the request id overwrote the replay marker, which silently vanished.
+    assert errors_of({"upstream": UP, "idempotency": {"replay_header": "X-Request-Id"}}) == [
+        "idempotency.replay_header: 'X-Request-Id' is request_id.header too: each would overwrite the other in "
+        "every response"]
+    assert errors_of({"upstream": UP, "request_id": {"header": "x-idem"},
+                      "routes": [{"prefix": "/a", "replay_header": "X-Idem"}]}) == [
+        "routes[0].replay_header: 'X-Idem' is request_id.header too: each would overwrite the other in every "
+        "response"]
+    # A route that inherits the defaults' replay_header shares its one error.
+    assert errors_of({"upstream": UP, "idempotency": {"replay_header": "X-Request-Id"},
+                      "routes": [{"prefix": "/a"}]}) == [
+        "idempotency.replay_header: 'X-Request-Id' is request_id.header too: each would overwrite the other in "
+        "every response"]
