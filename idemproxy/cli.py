@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import sys
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -81,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=_port, default=8080, help="proxy port (default 8080)")
     demo.add_argument("--upstream-port", type=_port, default=9000, help="sample API port (default 9000)")
     demo.add_argument("--admin-port", type=_port, default=9090, help="admin port: /metrics (default 9090)")
-    demo.add_argument("--store", default="idemproxy-demo.sqlite3", help="embedded store file")
+    demo.add_argument("--store", help="embedded store file, kept (default: a new one each run, removed at exit: "
+                                      "the sample API forgets its charges when stopped)")
     demo.add_argument("--api-only", action="store_true",
                       help="run only the sample payments API, on 0.0.0.0 (for docker compose)")
     return parser
@@ -190,8 +192,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     if args.api_only:
         _run(run_api(args.upstream_port))
-    else:
+    elif args.store is not None:
         _run(run_demo(args.port, args.upstream_port, args.admin_port, args.store))
+    else:  # records of an earlier run would replay charges the new sample API never made, and no 409 would show
+        with tempfile.TemporaryDirectory(prefix="idemproxy-demo-") as directory:
+            _run(run_demo(args.port, args.upstream_port, args.admin_port, os.path.join(directory, "demo.sqlite3")))
     return 0
 
 

@@ -117,3 +117,36 @@ def test_a_port_in_use_or_out_of_range_names_the_flag_to_change(flag: str, tmp_p
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert wrong.stderr.splitlines() == [
         f"idemproxy demo: argument {flag}: 99999 is not a port (1..65535) (see: idemproxy demo --help)"]
+
+
+async def test_a_second_run_shows_the_printed_scenarios_again(tmp_path: Path) -> None:
+    # The sample API forgets its charges when the demo stops, but the store kept its records (24 h) in the working
+    # directory: on a second `make demo` step 1 answered "Idempotent-Replayed: true" (a charge the API no longer
+    # had) where it prints "false", and step 4's double submit got two replays instead of a 409.
+    for run in (1, 2):
+        ports = [str(free_port()) for _ in range(3)]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "idemproxy", "demo", "--port", ports[0], "--upstream-port", ports[1],
+             "--admin-port", ports[2]], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert proc.stdout is not None
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "Stop with Ctrl-C" in line:
+                    break
+            text = "".join(lines)
+            curls = [parse_curl(m) for m in re.findall(r"curl -si [^;&\n)]+", text)]
+            assert len(curls) == 5, text
+            async with aiohttp.ClientSession() as session:
+                status, headers, _ = await send(session, curls[0])
+                assert (run, status, headers["Idempotent-Replayed"]) == (run, 201, "false")
+                one = asyncio.ensure_future(send(session, curls[3]))
+                await asyncio.sleep(0.05)
+                status, _, problem = await send(session, curls[4])
+                assert (run, status, problem["code"]) == (run, 409, "in_flight")
+                assert (await one)[0] == 201
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=20)
+        assert proc.returncode == 0
