@@ -85,8 +85,9 @@ class Secret:
 
 
 # Query parameters that carry a secret in a DSN or URL (libpq's and asyncpg's password and sslpassword, redis-py's
-# password; anything else named like a secret, to be safe).
-_SECRET_PARAMETER = re.compile(r"password|passwd|secret|token", re.IGNORECASE)
+# password, a collector's api_key or auth; anything else named like a secret, to be safe: a path such as sslkey
+# shown masked costs nothing).
+_SECRET_PARAMETER = re.compile(r"password|passwd|secret|token|key|auth|credential|signature", re.IGNORECASE)
 # user:password@ as written, whatever the password holds: from the user's colon to the last @ (more than needed,
 # never less), for what urllib cannot take apart.
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^/?#@:]*:).*@")

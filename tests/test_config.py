@@ -952,3 +952,17 @@ def test_the_replay_header_cannot_be_the_request_id_header() -> None:
                       "routes": [{"prefix": "/a"}]}) == [
         "idempotency.replay_header: 'X-Request-Id' is request_id.header too: each would overwrite the other in "
         "every response"]
+
+
+@pytest.mark.parametrize("name", ["api_key", "apikey", "x-api-key", "key", "auth", "Authorization",
+                                  "credential", "signature"])
+def test_an_api_key_in_a_collector_url_is_masked_like_a_token(name: str, tmp_path: Path) -> None:
+    # `?token=` and `?api_token=` were masked, but a collector's `?api_key=` (or `apikey`, `auth`) was printed whole
+    # by check-config and in the start-up line.
+    raw = {"upstream": UP, "tracing": {"endpoint": f"https://otel.example:4318/v1/traces?{name}=k-SECRET&region=eu"}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = check_config(path)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["tracing"]["endpoint"] == (
+        f"https://otel.example:4318/v1/traces?{name}=***&region=eu")
