@@ -711,9 +711,7 @@ class Engine:
                 if not due.cancelled():
                     _said_late(claim, "refused")
                 raise _not_stored_yet()
-            log.warning("completion refused: the key was taken over or released (tenant %s key %s)",
-                        short_hash(claim.record.tenant), short_hash(claim.record.key))
-            return await self._record_says(claim, idem, due)
+            return await self._record_says(claim, idem, due, stored)
         finally:
             self._settling.pop(due, None)
 
@@ -733,13 +731,20 @@ class Engine:
             if self._settling:
                 self._settle_watch = loop.call_later(SETTLE_CHECK, self._watch_settles)
 
-    async def _record_says(self, claim: Claim, idem: IdempotencyConfig, due: asyncio.Future[None]) -> web.Response:
+    async def _record_says(
+        self, claim: Claim, idem: IdempotencyConfig, due: asyncio.Future[None], mine: StoredResponse
+    ) -> web.Response | None:
         """After a refused completion: the record's answer now (replay, 422 or 409; ``wait`` mode waits for
         an in-flight owner). Never a second forward: this request already executed once. settle_timeout still
-        bounds the first read (``due`` stays watched), not what follows once the store has answered."""
+        bounds the first read (``due`` stays watched), not what follows once the store has answered.
+
+        None: the record holds ``mine``, this request's own answer (its executing request's id included): an
+        earlier attempt of this completion landed, its reply lost (a cut after the commit). It was stored, and
+        goes out as executed, not as a replay."""
         tenant, key, fp = claim.record.tenant, claim.record.key, claim.record.fingerprint
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (idem.wait_timeout if idem.in_flight == "wait" else 0.0)
+        first = True
         while True:
             with self.store.watch(tenant, key) as changed:
                 try:
@@ -755,6 +760,13 @@ class Engine:
                 if record is None or record.expired(now):
                     raise InFlight("A request with this idempotency key was released while being "
                                    "processed; retry later.", lease_expires_in=0, status=idem.in_flight_status)
+                if (record.state is State.COMPLETED and record.fingerprint == fp and record.response is not None
+                        and _same_answer(record.response, mine)):
+                    return None
+                if first:
+                    first = False
+                    log.warning("completion refused: the key was taken over or released (tenant %s key %s)",
+                                short_hash(tenant), short_hash(key))
                 if record.state is State.COMPLETED or record.fingerprint != fp or remaining <= 0:
                     return self._answer_record(record, fp, idem, now, None)
                 with contextlib.suppress(TimeoutError):
@@ -887,6 +899,12 @@ def tenant_id(tenant: TenantConfig, value: str | None) -> str:
     if value == ANONYMOUS_TENANT:  # the id of requests without a tenant: taken as one, it would read theirs
         raise MissingTenant(f"The {tenant.header} value {ANONYMOUS_TENANT!r} names no tenant.")
     return value
+
+
+def _same_answer(stored: StoredResponse, mine: StoredResponse) -> bool:
+    """Whether ``stored`` is ``mine`` as the store gives it back (its headers carry the executing request's id)."""
+    return (stored.status == mine.status and stored.body == mine.body
+            and [tuple(h) for h in stored.headers] == [tuple(h) for h in mine.headers])
 
 
 def _overdue(claim: Claim, due: asyncio.Future[None]) -> None:

@@ -132,6 +132,43 @@ async def test_store_cut_during_the_forward_the_client_waits_for_the_stored_answ
     assert upstream.count(key="cut-1") == 1
 
 
+async def idle(direct: asyncpg.Connection) -> bool:
+    """No other connection to the database is running a statement (the proxy's pool is at rest)."""
+    return not await direct.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() "
+        "AND state <> 'idle'")
+
+
+async def test_a_completion_that_landed_with_its_reply_lost_answers_as_executed_not_as_a_replay(
+    cut_proxy: RunningProxy, upstream: RecordingUpstream, pg_relay: Relay, clean_pg: str
+) -> None:
+    """PostgreSQL commits the completion, its reply is lost (the connection cut after the commit): the retry finds the
+    record completed with this very answer. The client executed the request and gets its answer as executed, not
+    marked as a replay."""
+    # (statements prepared on the pooled connection: a muted prepare would hold the completion before it runs)
+    assert (await cut_proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+    pending = await started(cut_proxy, upstream, "lost-reply", headers={"X-Test-Delay": "0.3"})
+    direct = await asyncpg.connect(clean_pg)
+    try:
+        await until_async(lambda: idle(direct))  # the claim's connection back in the pool, nothing on the wire
+        pg_relay.mute()  # statements reach PostgreSQL; their replies are held
+
+        async def completed() -> bool:
+            return bool(await direct.fetchval(
+                "SELECT state = 'completed' FROM idemproxy_records WHERE key = 'lost-reply'"))
+        await until_async(completed, timeout=5)
+    finally:
+        await direct.close()
+    pg_relay.cut()  # the reply of the committed completion is lost
+    pg_relay.restore()
+    resp, body = await pending
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    assert json.loads(body)["serial"] == upstream.executed[-1].serial
+    again, again_body = await cut_proxy.post("/v1/charges", key="lost-reply", body=CHARGE)
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true" and again_body == body
+    assert upstream.count(key="lost-reply") == 1
+
+
 def fail(relay: Relay, fault: str) -> None:
     """``cut``: the store's connections close (each attempt fails at once); ``stall``: they hang (each attempt
     waits out the store's own 5 s operation timeout)."""
