@@ -491,6 +491,38 @@ async def test_connection_cut_or_stalled_is_503(
     assert upstream.count(key=f"net-{fault}") == 1
 
 
+async def test_claims_queued_behind_a_stalled_postgres_get_503_within_the_operation_timeout(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
+) -> None:
+    """More concurrent claims than batches on the wire: those queued behind the stalled batches must not wait for
+    them to time out first and then for their own statement (10 s in the audit's run), but get their 503 within
+    the store's 5 s operation timeout as the others do."""
+    parts = urlsplit(clean_pg)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432) as relay:
+        proxy = await make_proxy(storage_section=pg_section(via(relay, clean_pg)),
+                                 upstream={"timeout": "1s"}, idempotency={"lease": "3s"})
+        assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+        relay.stall()
+        loop = asyncio.get_running_loop()
+
+        async def timed(key: str) -> tuple[int, float]:
+            began = loop.time()
+            resp, _ = await proxy.post("/v1/charges", key=key, body=CHARGE)
+            return resp.status, loop.time() - began
+
+        store = proxy.proxy.store
+        assert isinstance(store, PostgresStore)
+        sent = store._claims.batches
+        first = [asyncio.ensure_future(timed(f"on-the-wire-{i}")) for i in range(2)]
+        await until(lambda: store._claims.batches == sent + 2)  # both batches of claims stalled on the wire
+        queued = await asyncio.gather(*(timed(f"queued-{i}") for i in range(3)))
+        results = [*(await asyncio.gather(*first)), *queued]
+        relay.restore()
+    assert all(status == 503 for status, _ in results), results
+    assert max(took for _, took in results) < 6, results
+    assert upstream.count() == 1  # the warm-up only
+
+
 async def post_while_503(proxy: RunningProxy, key: str, within: float = 15) -> tuple[aiohttp.ClientResponse, bytes]:
     """The first answer to a covered request that is not 503 (the store not open yet: nothing forwarded), or the
     last 503 after ``within`` seconds."""

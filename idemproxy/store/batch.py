@@ -12,7 +12,9 @@ call alone raised. An exception from ``send`` itself fails every call of the bat
 
 A caller that is cancelled stops waiting. If its call was not sent yet, it never is; if it was, the batch runs
 on, and its outcome goes to ``abandoned`` (a store releases a claim that came back owned), since nobody else will
-act on it.
+act on it. A call made with a ``timeout`` that has no outcome by then fails with :class:`CallTimeout` and is
+treated the same way: its wait behind batches still on the wire counts, so a stalled store cannot hold it for
+their timeouts and then its own.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ log = logging.getLogger("idemproxy.store")
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+class CallTimeout(TimeoutError):
+    """A call with no outcome within its timeout; ``sent``: its batch had left (the call may still be applied)."""
+
+    def __init__(self, sent: bool) -> None:
+        super().__init__("no outcome within the timeout" + ("" if sent else "; never sent"))
+        self.sent = sent
 
 
 class Batcher(Generic[Item, Result]):
@@ -56,7 +66,7 @@ class Batcher(Generic[Item, Result]):
         self.batches = 0  # batches sent, for diagnostics and tests
         self.items = 0  # items sent
 
-    async def call(self, item: Item) -> Result:
+    async def call(self, item: Item, timeout: float | None = None) -> Result:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -65,7 +75,18 @@ class Batcher(Generic[Item, Result]):
         if not self._scheduled and self._in_flight < self.max_in_flight:
             self._scheduled = True
             loop.call_soon(self._flush)  # after this loop turn: the other calls it makes join the batch
-        return await future
+        if timeout is None:
+            return await future
+        expiry = loop.call_later(timeout, self._expire, future)
+        try:
+            return await future
+        finally:
+            expiry.cancel()
+
+    def _expire(self, future: asyncio.Future[Result]) -> None:
+        """``future``'s call timed out: still queued, it is never sent; sent, its outcome goes to ``abandoned``."""
+        if not future.done():
+            future.set_exception(CallTimeout(sent=not any(queued is future for _, queued in self._queue)))
 
     def _flush(self) -> None:
         self._scheduled = False

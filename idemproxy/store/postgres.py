@@ -30,7 +30,7 @@ from idemproxy.store.base import (
     new_token,
     step_bounds,
 )
-from idemproxy.store.batch import Batcher, follow_up
+from idemproxy.store.batch import Batcher, CallTimeout, follow_up
 from idemproxy.store.codec import Codec
 
 log = logging.getLogger("idemproxy.store.postgres")
@@ -1148,7 +1148,12 @@ class PostgresStore(Store):
     async def _claim(self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float) -> Any:
         if self.batching:
             async with self.measured("claim"):
-                return await self._claims.call((tenant, key, fingerprint, token, lease, ttl))
+                try:
+                    # bounded from the call, not from its batch leaving: queued behind stalled batches, a claim
+                    # would otherwise wait out their timeouts and then its own
+                    return await self._claims.call((tenant, key, fingerprint, token, lease, ttl), OPERATION_TIMEOUT)
+                except CallTimeout as exc:
+                    raise _unavailable("claim", exc, maybe_applied=exc.sent) from exc
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
         async with self._conn("claim") as conn:
             for _ in range(5):  # see the race described at _CLAIM
