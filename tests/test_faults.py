@@ -128,6 +128,37 @@ async def test_ready_requires_store_takes_the_replica_out_while_another_process_
     assert (await proxy.post("/v1/charges", key="after-lock", body=CHARGE))[0].status == 201
 
 
+async def test_claims_queued_while_another_process_locks_the_embedded_file_get_503_within_the_busy_wait(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """Claims queued behind a batch waiting out its 5 s busy wait for the write lock must not wait a whole one more
+    (10 s before their 503 in the audit's run)."""
+    proxy = await make_proxy("embedded")
+    store = proxy.proxy.store
+    assert isinstance(store, EmbeddedStore)
+    intruder = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
+    loop = asyncio.get_running_loop()
+
+    async def timed(key: str) -> tuple[int, float]:
+        began = loop.time()
+        resp, _ = await proxy.post("/v1/charges", key=key, body=CHARGE)
+        return resp.status, loop.time() - began
+
+    try:
+        intruder.execute("BEGIN EXCLUSIVE")
+        first = asyncio.ensure_future(timed("waiting"))
+        await until(lambda: store._committing and not store._queued)  # its batch is in the busy wait
+        queued = await asyncio.gather(*(timed(f"queued-{i}") for i in range(3)))
+        results = [await first, *queued]
+    finally:
+        intruder.execute("ROLLBACK")
+        intruder.close()
+    assert all(status == 503 for status, _ in results), results
+    assert max(took for _, took in results) < 6, results
+    assert (await proxy.post("/v1/charges", key="after-lock", body=CHARGE))[0].status == 201
+    assert upstream.count() == 1
+
+
 async def test_an_embedded_file_deleted_under_the_proxy_is_a_store_failure_not_a_store(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:

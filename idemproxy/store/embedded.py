@@ -29,6 +29,10 @@ log = logging.getLogger("idemproxy.store.embedded")
 T = TypeVar("T")
 
 PROBE_BUSY_MS = 1000  # how long a health check waits for the write lock (a claim waits 5 s, sqlite3's default)
+# A write waits at most this for the write lock (another process holding the file), counted from its call: one
+# queued behind a batch waiting out its own busy wait gets only what is left (sqlite3's default busy timeout).
+WRITE_WAIT = 5.0
+BUSY_SLACK = 0.5  # a batch whose oldest write queued less than this keeps the full busy timeout (no PRAGMA)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -45,7 +49,7 @@ _COLUMNS = (
 )
 
 
-_Queued = tuple[Callable[[sqlite3.Connection], Any], "asyncio.Future[Any]"]
+_Queued = tuple[Callable[[sqlite3.Connection], Any], "asyncio.Future[Any]", float]  # (write, its future, queued at)
 
 
 class StoreLocked(Exception):
@@ -222,7 +226,7 @@ class EmbeddedStore(Store):
         async with self.measured(operation):
             loop = self._running()
             future: asyncio.Future[Any] = loop.create_future()
-            self._queued.append((fn, future))
+            self._queued.append((fn, future, time.monotonic()))
             if not self._committing:
                 self._committing = True
                 loop.call_soon(self._commit_queued)  # after this loop turn: its other writes join the batch
@@ -243,7 +247,7 @@ class EmbeddedStore(Store):
     def _hand_out(self, batch: list[_Queued], result: asyncio.Future[list[tuple[bool, Any]]]) -> None:
         error = result.exception() if not result.cancelled() else sqlite3.OperationalError("write cancelled")
         outcomes = [(False, error)] * len(batch) if error is not None else result.result()
-        for (_, future), (ok, value) in zip(batch, outcomes, strict=True):
+        for (_, future, _), (ok, value) in zip(batch, outcomes, strict=True):
             if not future.done():
                 future.set_result(value) if ok else future.set_exception(value)
         self._commit_queued()
@@ -254,9 +258,19 @@ class EmbeddedStore(Store):
         assert db is not None
         outcomes: list[tuple[bool, Any]] = []
         self._check_file()
-        db.execute("BEGIN IMMEDIATE")
+        # The busy wait for the write lock gets what is left of the oldest write's WRITE_WAIT: writes queued
+        # while the batch before waited out its busy timeout must not wait a whole one more.
+        left = WRITE_WAIT - (time.monotonic() - min(queued for _, _, queued in batch))
+        lowered = left < WRITE_WAIT - BUSY_SLACK
+        if lowered:
+            db.execute(f"PRAGMA busy_timeout = {max(int(left * 1000), 0)}")
         try:
-            for fn, _ in batch:
+            db.execute("BEGIN IMMEDIATE")
+        finally:
+            if lowered:
+                db.execute(f"PRAGMA busy_timeout = {int(WRITE_WAIT * 1000)}")
+        try:
+            for fn, _, _ in batch:
                 db.execute("SAVEPOINT write")
                 try:
                     outcomes.append((True, fn(db)))
