@@ -29,7 +29,7 @@ from idemproxy.problems import StoreUnavailable
 from idemproxy.store.embedded import EmbeddedStore
 from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import LOCK_MAX, YOUNG_LOCK, RedisFrontedStore
-from tests.conftest import ProxyFactory, RunningProxy, _admin_sql
+from tests.conftest import ProxyFactory, RunningProxy, _admin_sql, empty_records
 from tests.relay import Relay
 from tests.servers import PostgresServer, RedisServer
 from tests.test_concurrency import fire
@@ -702,6 +702,49 @@ async def test_statement_timeout_and_exhausted_pool_are_503(
         await locker.execute("ALTER ROLE CURRENT_USER RESET statement_timeout")
         await locker.close()
     assert upstream.count(key="locked-0") == upstream.count(key="locked-1") == 0
+
+
+async def test_a_claim_that_gets_the_last_connection_late_still_gets_its_503_within_the_operation_timeout(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_one_table_dsn: str
+) -> None:
+    """One table (claims one statement each), pool_max 1, the table locked elsewhere: the second claim waited
+    4.5 s for the connection, then 4.5 s more for its own statement (9 s before its 503). The pool's wait and the
+    statement share the 5 s operation timeout."""
+    dsn = await empty_records(pg_one_table_dsn)
+    proxy = await make_proxy(storage_section={"postgres": {"dsn": dsn, "pool_min": 1, "pool_max": 1,
+                                                           "partitions": "none"}})
+    assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+    store = proxy.proxy.store
+    assert isinstance(store, PostgresStore) and not store.batching
+    locker = await asyncpg.connect(dsn)
+    loop = asyncio.get_running_loop()
+
+    async def timed(key: str) -> tuple[int, float]:
+        began = loop.time()
+        resp, _ = await proxy.post("/v1/charges", key=key, body=CHARGE)
+        return resp.status, loop.time() - began
+
+    try:
+        lock = locker.transaction()
+        await lock.start()
+        await locker.execute("LOCK TABLE idemproxy_records IN ACCESS EXCLUSIVE MODE")
+        first = asyncio.ensure_future(timed("holds-the-connection"))
+
+        async def blocked() -> bool:  # the first claim's statement waits for the lock
+            return bool(await locker.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'idemproxy_records'::regclass"))
+
+        while not await blocked():
+            await asyncio.sleep(0.01)
+        second = await timed("waits-for-the-pool")
+        results = [await first, second]
+        await lock.rollback()
+    finally:
+        await locker.close()
+    assert all(status == 503 for status, _ in results), results
+    assert max(took for _, took in results) < 6, results
+    assert (await proxy.post("/v1/charges", key="after-lock", body=CHARGE))[0].status == 201
+    assert upstream.count() == 2
 
 
 async def test_an_operation_cancelled_midway_never_poisons_the_pool(clean_pg: str) -> None:

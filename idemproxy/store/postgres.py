@@ -1155,11 +1155,16 @@ class PostgresStore(Store):
                 except CallTimeout as exc:
                     raise _unavailable("claim", exc, maybe_applied=exc.sent) from exc
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
-        async with self._conn("claim") as conn:
-            for _ in range(5):  # see the race described at _CLAIM
-                row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
-                if row is not None:
-                    return row
+        try:
+            # the pool's wait and the statement share the 5 s: a claim that got the last connection late must not
+            # then wait a whole statement timeout more
+            async with asyncio.timeout(OPERATION_TIMEOUT), self._conn("claim") as conn:
+                for _ in range(5):  # see the race described at _CLAIM
+                    row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
+                    if row is not None:
+                        return row
+        except TimeoutError as exc:  # (the connection, interrupted, was discarded by _connection)
+            raise _unavailable("claim", exc) from exc
         raise StoreUnavailable("The idempotency store could not settle a claim.")
 
     async def _refresh_layout(self) -> None:
