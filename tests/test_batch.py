@@ -20,7 +20,7 @@ from idemproxy.config import PostgresConfig, SecretURL, load_config
 from idemproxy.problems import StoreRejected, StoreUnavailable
 from idemproxy.store import StoredResponse, postgres
 from idemproxy.store.base import Claim, Watchers
-from idemproxy.store.batch import Batcher
+from idemproxy.store.batch import Batcher, CallTimeout
 from idemproxy.store.postgres import BATCH_BYTES, BATCHES_IN_FLIGHT, NOTIFY_CHANNEL, PostgresStore
 from idemproxy.store.redis import RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy
@@ -73,6 +73,46 @@ async def test_the_batcher_groups_calls_of_one_loop_turn_and_fails_a_whole_batch
     assert sent == [[0, 1, 2, 3], [4, 5, 7, 13]]
     assert results[:4] == [0, 2, 4, 6]
     assert all(isinstance(r, ConnectionError) for r in results[4:])  # 13 cut the second batch: all of it
+
+
+async def test_calls_past_the_batchers_timeout_fail_queued_ones_unsent_sent_ones_abandoned() -> None:
+    """With a ``timeout``, a call fails that long after it was made, however long the batches ahead of it take: one
+    still queued never leaves, one on the wire has its late outcome handed to ``abandoned``. One timer serves every
+    call: it waits, in turn, for each call still pending; calls answered in time are untouched by it."""
+    sent: list[list[int]] = []
+    gate = asyncio.Event()
+    abandoned: list[tuple[int, object]] = []
+
+    async def send(items: list[int]) -> list[int | BaseException]:
+        sent.append(items)
+        if 0 not in items:  # (the first batch, in time)
+            await gate.wait()
+        return [item * 2 for item in items]
+
+    batcher: Batcher[int, int] = Batcher(send, max_in_flight=1, timeout=0.3,
+                                         abandoned=lambda item, outcome: abandoned.append((item, outcome)))
+    loop = asyncio.get_running_loop()
+    assert await batcher.call(0) == 0  # answered in time: its deadline passes harmlessly
+    began = loop.time()
+    on_the_wire = asyncio.ensure_future(batcher.call(1))
+    while not sent[1:]:
+        await asyncio.sleep(0)
+    queued = asyncio.ensure_future(batcher.call(2))  # behind the stalled batch
+    await asyncio.sleep(0.1)
+    later = asyncio.ensure_future(batcher.call(3))  # its deadline 0.1 s after the others'
+    results = await asyncio.gather(on_the_wire, queued, return_exceptions=True)
+    first_failed = loop.time() - began
+    assert [type(r) for r in results] == [CallTimeout, CallTimeout]
+    assert [r.sent for r in results if isinstance(r, CallTimeout)] == [True, False]
+    assert 0.3 <= first_failed < 0.39, first_failed
+    with pytest.raises(CallTimeout):
+        await later
+    assert 0.4 <= loop.time() - began < 0.49
+    gate.set()
+    await batcher.close(5)
+    assert sent == [[0], [1]]  # neither queued call ever left
+    assert abandoned == [(1, 2)]  # the stalled one's late outcome, for the store to undo
+    assert await batcher.call(4) == 8  # and the batcher serves on
 
 
 async def test_claims_of_one_key_in_one_batch_make_one_owner(pg_store: PostgresStore) -> None:

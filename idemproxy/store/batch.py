@@ -12,9 +12,11 @@ call alone raised. An exception from ``send`` itself fails every call of the bat
 
 A caller that is cancelled stops waiting. If its call was not sent yet, it never is; if it was, the batch runs
 on, and its outcome goes to ``abandoned`` (a store releases a claim that came back owned), since nobody else will
-act on it. A call made with a ``timeout`` that has no outcome by then fails with :class:`CallTimeout` and is
-treated the same way: its wait behind batches still on the wire counts, so a stalled store cannot hold it for
-their timeouts and then its own.
+act on it. With a ``timeout``, a call that has no outcome that long after it was made fails with
+:class:`CallTimeout` and is treated the same way: its wait behind batches still on the wire counts, so a stalled
+store cannot hold it for their timeouts and then its own. One timer serves every call (a timer each cost about
+1 % of a first request's instructions): calls are made in order and share the timeout, so their deadlines come
+in order, and the timer waits for the earliest of those still pending.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
@@ -48,6 +51,7 @@ class Batcher(Generic[Item, Result]):
         self, send: Callable[[list[Item]], Awaitable[list[Result | BaseException]]], *,
         max_batch: int = 64, max_in_flight: int = 2, weigh: Callable[[Item], int] | None = None,
         max_weight: int = 0, abandoned: Callable[[Item, Result | BaseException], None] | None = None,
+        timeout: float | None = None,
     ) -> None:
         self._send = send
         self.max_batch = max_batch
@@ -55,6 +59,9 @@ class Batcher(Generic[Item, Result]):
         self._weigh = weigh
         self.max_weight = max_weight
         self._abandoned = abandoned
+        self.timeout = timeout
+        self._deadlines: deque[tuple[float, asyncio.Future[Result]]] = deque()  # (when it fails, its future)
+        self._expiry: asyncio.TimerHandle | None = None
         self._queue: list[tuple[Item, asyncio.Future[Result]]] = []
         self._in_flight = 0
         self._scheduled = False
@@ -66,7 +73,7 @@ class Batcher(Generic[Item, Result]):
         self.batches = 0  # batches sent, for diagnostics and tests
         self.items = 0  # items sent
 
-    async def call(self, item: Item, timeout: float | None = None) -> Result:
+    async def call(self, item: Item) -> Result:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -75,18 +82,34 @@ class Batcher(Generic[Item, Result]):
         if not self._scheduled and self._in_flight < self.max_in_flight:
             self._scheduled = True
             loop.call_soon(self._flush)  # after this loop turn: the other calls it makes join the batch
-        if timeout is None:
-            return await future
-        expiry = loop.call_later(timeout, self._expire, future)
-        try:
-            return await future
-        finally:
-            expiry.cancel()
+        if self.timeout is not None:
+            deadlines = self._deadlines
+            while deadlines and deadlines[0][1].done():  # (answered in order, mostly: the deque stays short)
+                deadlines.popleft()
+            deadlines.append((loop.time() + self.timeout, future))
+            if self._expiry is None:
+                self._expiry = loop.call_at(deadlines[0][0], self._expire)
+        return await future
 
-    def _expire(self, future: asyncio.Future[Result]) -> None:
-        """``future``'s call timed out: still queued, it is never sent; sent, its outcome goes to ``abandoned``."""
-        if not future.done():
-            future.set_exception(CallTimeout(sent=not any(queued is future for _, queued in self._queue)))
+    def _expire(self) -> None:
+        """Fail the calls past their deadline (``CallTimeout``): one still queued is never sent; one sent has its
+        outcome go to ``abandoned``. Then wait for the next deadline of a call still pending."""
+        self._expiry = None
+        loop = self._loop
+        assert loop is not None  # (set by the call that armed the timer)
+        now = loop.time()
+        deadlines = self._deadlines
+        queued: set[int] | None = None
+        while deadlines:
+            at, future = deadlines[0]
+            if not future.done():
+                if at > now:
+                    self._expiry = loop.call_at(at, self._expire)
+                    return
+                if queued is None:
+                    queued = {id(waiting) for _, waiting in self._queue}
+                future.set_exception(CallTimeout(sent=id(future) not in queued))
+            deadlines.popleft()
 
     def _flush(self) -> None:
         self._scheduled = False

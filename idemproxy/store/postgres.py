@@ -828,7 +828,10 @@ class PostgresStore(Store):
         # requests go out together.
         self.batching = False
         self._claims: Batcher[_ClaimCall, Any] = Batcher(
-            self._claim_batch, max_batch=BATCH_MAX, max_in_flight=BATCHES_IN_FLIGHT, abandoned=self._unclaim)
+            self._claim_batch, max_batch=BATCH_MAX, max_in_flight=BATCHES_IN_FLIGHT, abandoned=self._unclaim,
+            # bounded from the call, not from its batch leaving: queued behind stalled batches, a claim would
+            # otherwise wait out their timeouts and then its own
+            timeout=OPERATION_TIMEOUT)
         self._completes: Batcher[_CompleteCall, int] = Batcher(
             self._complete_batch, max_batch=BATCH_MAX, max_in_flight=BATCHES_IN_FLIGHT,
             weigh=lambda call: len(call[4]) + len(call[5]), max_weight=BATCH_BYTES)
@@ -1149,10 +1152,8 @@ class PostgresStore(Store):
         if self.batching:
             async with self.measured("claim"):
                 try:
-                    # bounded from the call, not from its batch leaving: queued behind stalled batches, a claim
-                    # would otherwise wait out their timeouts and then its own
-                    return await self._claims.call((tenant, key, fingerprint, token, lease, ttl), OPERATION_TIMEOUT)
-                except CallTimeout as exc:
+                    return await self._claims.call((tenant, key, fingerprint, token, lease, ttl))
+                except CallTimeout as exc:  # (5 s after the call: the batcher's timeout)
                     raise _unavailable("claim", exc, maybe_applied=exc.sent) from exc
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
         try:
