@@ -485,6 +485,30 @@ async def test_a_record_whose_key_was_removed_is_503_and_never_executed_again(
     assert (await post_charge(second, "pay-2"))[0] == 201  # other keys are served as usual
 
 
+@pytest.mark.parametrize("marker", ["@frbme", "[[1]]", "5"])
+@pytest.mark.parametrize("backend", ["postgres", "embedded"])  # the durable stores, where the marker is a column
+async def test_a_changed_byte_in_the_frame_marker_is_503_and_logged_not_a_500(
+    backend: str, marker: str, make_proxy: ProxyFactory, storage: StorageFactory, upstream: RecordingUpstream,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A sealed record's headers column holds the marker "@frame"; one byte of it changed in the store (or any
+    text there that is not a header list) made the replay a 500 internal_error with a traceback in the log, not
+    the 503 store_unavailable and the error line naming the key id of a record that does not open (audit,
+    2026-11-27)."""
+    section = with_codec(storage(backend), KEY_A)
+    proxy = await make_proxy(storage_section=section)
+    assert (await post_charge(proxy, "pay-1"))[0] == 201
+    await update_one_row(backend, section, f"UPDATE {{table}} SET headers = '{marker}' WHERE key = 'pay-1'")
+    with caplog.at_level(logging.ERROR, "idemproxy.store.codec"):
+        status, problem = await post_charge(proxy, "pay-1")
+    assert (status, problem["code"]) == (503, "store_unavailable")
+    assert upstream.count() == 1, "an unreadable record was executed again"
+    assert key_id(base64.b64decode(KEY_A)).hex() in caplog.text
+    assert "tok_live" not in caplog.text
+    metrics = proxy.proxy.metrics.render().decode()
+    assert f'idemproxy_records_unreadable_total{{backend="{backend}"}} 1.0' in metrics
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_an_expired_record_whose_key_was_removed_is_claimable_again(
     backend: str, storage: StorageFactory

@@ -298,7 +298,12 @@ class Codec:
         """Read back what :meth:`to_columns` wrote, in any format ever written (old rows hold JSON text)."""
         if headers == FRAMED:
             return self.unpack(tenant, key, bytes(body or b""), backend=backend, outcome=outcome)
-        return parse_headers(headers), self.plain_body(tenant, key, bytes(body or b""), backend=backend)
+        try:
+            parsed = parse_headers(headers)
+        except (ValueError, TypeError, RecursionError) as exc:  # the marker or the headers changed in the store
+            raise self._unreadable(tenant, key, backend, Unreadable(
+                f"headers column not readable ({type(exc).__name__})", _named_key(bytes(body or b"")))) from None
+        return parsed, self.plain_body(tenant, key, bytes(body or b""), backend=backend)
 
     def plain_body(self, tenant: str, key: str, body: bytes, *, backend: str) -> bytes:
         """``body`` of a record marked as written in clear, unless, while any key is configured, it is a sealed
