@@ -120,6 +120,25 @@ def test_a_sealed_value_that_does_not_open_is_refused_logged_and_counted(
     assert "tok_live" not in caplog.text and CARD_HEADER not in caplog.text and "Jane" not in caplog.text
 
 
+@pytest.mark.parametrize("length", [len(MAGIC) + 1 + 5, len(MAGIC) + 1 + 8, len(MAGIC) + 1 + 8 + 12 + 15])
+def test_a_truncated_sealed_value_is_logged_as_truncated_not_as_sealed_with_an_unknown_key(
+    length: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sealed value cut short (a partial write, a truncated copy) within its key id was logged as "sealed with a
+    key that is not configured" naming a key id that is only a prefix of the real one: the operator would look for
+    a key removed in a rotation (audit, 2026-11-27). It is logged as truncated, with the key id only when whole."""
+    metrics = Metrics()
+    c = codec(KEY_A, metrics=metrics)
+    frame = c.pack("t", "k", CARD.headers, CARD_BODY)[:length]
+    with caplog.at_level(logging.ERROR, "idemproxy.store.codec"), pytest.raises(RecordUnreadable):
+        c.unpack("t", "k", frame, backend="redis")
+    assert "truncated" in caplog.text and "not configured" not in caplog.text
+    whole = key_id(base64.b64decode(KEY_A)).hex()
+    assert (whole in caplog.text) == (length >= len(MAGIC) + 1 + 8)
+    assert "key id -" in caplog.text or whole in caplog.text
+    assert unreadable_count(metrics, "redis") == 1
+
+
 def test_a_bound_frame_opens_only_beside_the_outcome_it_was_sealed_with() -> None:
     """The status, the body-kept flag and the fingerprint are stored beside the frame (columns, the Redis copy's
     header), in clear; a sealed frame is bound to them, so rewriting them is tampering, and so is putting back a

@@ -248,6 +248,8 @@ class Codec:
     def _open(self, tenant: str, key: str, frame: bytes, outcome: Outcome | None) -> bytes:
         split = len(MAGIC) + 1 + KEY_ID_BYTES
         kid = frame[len(MAGIC) + 1:split]
+        if len(frame) < split + NONCE_BYTES + TAG_BYTES:  # cut short: not a key that is missing (its id may be cut)
+            raise Unreadable("truncated", kid if len(kid) == KEY_ID_BYTES else None)
         cipher = self._keys.get(kid)
         if cipher is None:
             raise Unreadable("sealed with a key that is not configured", kid)
