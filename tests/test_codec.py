@@ -528,6 +528,25 @@ async def test_a_changed_byte_in_the_frame_marker_is_503_and_logged_not_a_500(
     assert f'idemproxy_records_unreadable_total{{backend="{backend}"}} 1.0' in metrics
 
 
+@pytest.mark.parametrize("sealed", [True, False])
+async def test_a_body_column_turned_to_text_in_the_embedded_file_is_never_a_500(
+    sealed: bool, make_proxy: ProxyFactory, storage: StorageFactory, upstream: RecordingUpstream,
+) -> None:
+    """SQLite keeps the storage class a value was written with, and one bit of the file tells a BLOB from a TEXT:
+    a body column read back as str made the replay a 500 internal_error (TypeError in bytes()). A sealed record
+    so changed does not open (503); one in clear replays the text it holds (audit, 2026-11-27)."""
+    section = with_codec(storage("embedded"), *([KEY_A] if sealed else []))
+    proxy = await make_proxy(storage_section=section)
+    assert (await post_charge(proxy, "pay-1"))[0] == 201
+    await update_one_row("embedded", section, "UPDATE {table} SET body = 'as text' WHERE key = 'pay-1'")
+    resp, body = await proxy.post("/v1/charges", key="pay-1", body={"amount": 4200})
+    if sealed:
+        assert (resp.status, json.loads(body)["code"]) == (503, "store_unavailable")
+    else:
+        assert (resp.status, body) == (201, b"as text")
+    assert upstream.count() == 1
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_an_expired_record_whose_key_was_removed_is_claimable_again(
     backend: str, storage: StorageFactory

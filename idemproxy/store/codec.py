@@ -129,6 +129,18 @@ def _associated(tenant: str, key: str, prefix: bytes, outcome: Outcome | None) -
     return bound
 
 
+def _column_bytes(body: object) -> bytes:
+    """The body column's value as bytes. SQLite keeps whatever storage class a value was written with: a TEXT
+    value there (one bit of the file's record header tells a BLOB from a TEXT) comes back as str."""
+    if body is None:
+        return b""
+    if isinstance(body, str):
+        return body.encode("utf-8", "surrogateescape")
+    if isinstance(body, bytes | bytearray | memoryview):
+        return bytes(body)
+    return str(body).encode()  # (a number written there by hand)
+
+
 def record_hash(tenant: str, key: str) -> str:
     """A log-safe name for a record: neither the tenant nor the key can be read from it."""
     return hashlib.sha256(f"{tenant}\x1f{key}".encode("utf-8", "surrogateescape")).hexdigest()[:12]
@@ -298,14 +310,15 @@ class Codec:
         outcome: Outcome | None = None,
     ) -> tuple[Headers, bytes]:
         """Read back what :meth:`to_columns` wrote, in any format ever written (old rows hold JSON text)."""
+        raw = _column_bytes(body)
         if headers == FRAMED:
-            return self.unpack(tenant, key, bytes(body or b""), backend=backend, outcome=outcome)
+            return self.unpack(tenant, key, raw, backend=backend, outcome=outcome)
         try:
             parsed = parse_headers(headers)
         except (ValueError, TypeError, RecursionError) as exc:  # the marker or the headers changed in the store
             raise self._unreadable(tenant, key, backend, Unreadable(
-                f"headers column not readable ({type(exc).__name__})", _named_key(bytes(body or b"")))) from None
-        return parsed, self.plain_body(tenant, key, bytes(body or b""), backend=backend)
+                f"headers column not readable ({type(exc).__name__})", _named_key(raw))) from None
+        return parsed, self.plain_body(tenant, key, raw, backend=backend)
 
     def plain_body(self, tenant: str, key: str, body: bytes, *, backend: str) -> bytes:
         """``body`` of a record marked as written in clear, unless, while any key is configured, it is a sealed
