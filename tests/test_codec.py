@@ -529,6 +529,35 @@ async def test_a_changed_byte_in_the_frame_marker_is_503_and_logged_not_a_500(
 
 
 @pytest.mark.parametrize("sealed", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_completed_record_whose_status_was_emptied_is_503_not_a_500(
+    backend: str, sealed: bool, make_proxy: ProxyFactory, storage: StorageFactory, upstream: RecordingUpstream,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The status stands beside a sealed value, which is bound to it; a completed record whose status column was
+    emptied (NULL) in the store was read as a completed record without a response, and its replay was a 500
+    internal_error (an AssertionError with Redis in front). It is a record that does not open (audit,
+    2026-11-27)."""
+    section = with_codec(storage(backend), *([KEY_A] if sealed else []))
+    proxy = await make_proxy(storage_section=section)
+    assert (await post_charge(proxy, "pay-1"))[0] == 201
+    await update_one_row(backend, section, "UPDATE {table} SET status = NULL WHERE key = 'pay-1'")
+    if backend == "redis":  # the durable record is read once the replay cache no longer holds its copy
+        client = sync_redis.Redis.from_url(section["redis"]["url"])
+        try:
+            for name in client.scan_iter(section["redis"]["key_prefix"] + "*"):
+                client.delete(name)
+        finally:
+            client.close()
+    with caplog.at_level(logging.ERROR, "idemproxy.store.codec"):
+        status, problem = await post_charge(proxy, "pay-1")
+    assert (status, problem["code"]) == (503, "store_unavailable")
+    assert upstream.count() == 1, "an unreadable record was executed again"
+    if sealed:
+        assert key_id(base64.b64decode(KEY_A)).hex() in caplog.text
+
+
+@pytest.mark.parametrize("sealed", [True, False])
 async def test_a_body_column_turned_to_text_in_the_embedded_file_is_never_a_500(
     sealed: bool, make_proxy: ProxyFactory, storage: StorageFactory, upstream: RecordingUpstream,
 ) -> None:

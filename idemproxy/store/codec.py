@@ -320,6 +320,13 @@ class Codec:
                 f"headers column not readable ({type(exc).__name__})", _named_key(raw))) from None
         return parsed, self.plain_body(tenant, key, raw, backend=backend)
 
+    def without_status(self, tenant: str, key: str, body: object, *, backend: str) -> RecordUnreadable:
+        """A completed record whose status is gone (its column emptied in the store): it cannot be replayed, and a
+        sealed value beside it is not beside the status it was sealed with. Logged and counted as :meth:`unpack`
+        does."""
+        return self._unreadable(tenant, key, backend, Unreadable(
+            "a completed record without a status", _named_key(_column_bytes(body))))
+
     def plain_body(self, tenant: str, key: str, body: bytes, *, backend: str) -> bytes:
         """``body`` of a record marked as written in clear, unless, while any key is configured, it is a sealed
         frame (ours, or sealed with a key rotated out since): then the record's format marker was changed

@@ -64,6 +64,8 @@ def _record(row: sqlite3.Row, codec: Codec | None) -> Record:
                                            backend=EmbeddedStore.backend,
                                            outcome=(row["status"], bool(row["body_stored"]), row["fingerprint"]))
         response = StoredResponse(status=row["status"], headers=headers, body=body if row["body_stored"] else None)
+    elif codec is not None and row["state"] == State.COMPLETED.value:
+        raise codec.without_status(row["tenant"], row["key"], row["body"], backend=EmbeddedStore.backend)
     return Record(
         tenant=row["tenant"], key=row["key"], fingerprint=row["fingerprint"],
         state=State(row["state"]), lease_token=row["lease_token"],

@@ -514,6 +514,8 @@ def _record(row: Any, codec: Codec) -> Record:
                                            backend=PostgresStore.backend,
                                            outcome=(row["status"], bool(row["body_stored"]), row["fingerprint"]))
         response = StoredResponse(status=row["status"], headers=headers, body=body if row["body_stored"] else None)
+    elif row["state"] == State.COMPLETED.value:
+        raise codec.without_status(row["tenant"], row["key"], row["body"], backend=PostgresStore.backend)
     return Record(
         tenant=row["tenant"],
         key=row["key"],
