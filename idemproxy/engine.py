@@ -545,13 +545,16 @@ class Engine:
                 _head_length(request.method, forwarded.upstream, out)
                 return upstream_answer(forwarded.upstream.status, forwarded.upstream.reason, out, forwarded.head)
             # The rest of a body too large to keep comes from the upstream as it is relayed: time waiting on
-            # the upstream, as a pass-through's streamed answer is counted, not the proxy's own overhead.
+            # the upstream, as a pass-through's streamed answer is counted, not the proxy's own overhead. The
+            # request is still being forwarded meanwhile (idemproxy_in_flight_requests), its forward's task done.
             started = time.perf_counter()
+            self._in_flight_up()
             try:
                 return await stream_response(
                     request, forwarded.upstream, head=forwarded.head, extra_headers=headers
                 )
             finally:
+                self._in_flight_down()
                 ex.upstream_seconds += time.perf_counter() - started
         finally:
             forwarded.upstream.release()

@@ -897,6 +897,29 @@ async def test_overhead_of_a_streamed_answer_leaves_out_the_upstream_s_body_time
     assert total("idemproxy_overhead_seconds", '{outcome="forwarded"}') < 0.3
 
 
+async def test_a_streamed_answer_is_in_flight_until_its_body_is_relayed(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """idemproxy_in_flight_requests counts covered requests being forwarded. An answer too large to keep streams on
+    from the upstream after its head, the key settled: that request is still being forwarded, and read 0 (the
+    gauge fell as the forward's task returned the head, before the body was relayed)."""
+    proxy = await make_proxy("postgres", idempotency={"max_stored_response": 1024})
+
+    def in_flight() -> str:
+        text = proxy.proxy.metrics.render().decode()
+        return next(line for line in text.splitlines() if line.startswith("idemproxy_in_flight_requests "))
+
+    # 10 chunks of 2 KiB, 0.2 s apart: once the head is here the upstream is still sending for about 1.6 s
+    headers = {"Idempotency-Key": "slow-big", "Authorization": "Bearer t1", "X-Test-Trickle": "10,0.2"}
+    async with proxy.session.post(proxy.url + "/v1/charges", json=CHARGE, headers=headers) as resp:
+        assert resp.status == 201
+        first = await resp.content.readexactly(2048)
+        assert in_flight() == "idemproxy_in_flight_requests 1.0"
+        rest = await resp.read()
+    assert len(first) + len(rest) == 10 * 2048
+    assert in_flight() == "idemproxy_in_flight_requests 0.0"
+
+
 async def test_overhead_of_a_wait_leaves_out_the_owner_s_upstream_time(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:
