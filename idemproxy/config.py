@@ -352,17 +352,19 @@ _PATH_PARAMETERS = re.compile(r";[^/]*")
 def other_readings(path: str) -> list[str]:
     """The paths an upstream may execute for ``path``: ``normalised_path``; as a WHATWG URL parser reads it
     (Node's documented ``new URL(req.url, base)``), a backslash taken for a slash and a leading ``//`` for an
-    authority, as Python's ``urlsplit`` takes a leading ``//`` too: ``//host/v1/charges`` and
-    ``/\\host/v1/charges`` are the path ``/v1/charges`` (on host ``host``), ``/v1/events\\..\\charges`` is
+    authority (after every slash it starts with), as Python's ``urlsplit`` takes a leading ``//`` too:
+    ``//host/v1/charges``, ``///host/v1/charges`` and ``/\\host/v1/charges`` are the path ``/v1/charges`` (on host
+    ``host``), ``/v1/events\\..\\charges`` is
     ``/v1/charges``; and as a Servlet container reads it (Tomcat, Jetty, Spring's ``UrlPathHelper``), each
     segment's ``;`` parameters dropped: ``/v1;x=1/charges`` and ``/v1/events/..;/charges`` are ``/v1/charges``."""
     readings = [normalised_path(path)]
     slashed = path.replace("\\", "/")
     if slashed != path:
         readings.append(normalised_path(slashed))
-    if slashed.startswith("//"):
-        end = slashed.find("/", 2)  # the authority ends at the next slash (a path has no ? or # left)
-        readings.append(normalised_path(slashed[end:] if end >= 0 else "/"))
+    if slashed.startswith("//"):  # (every slash before the authority is skipped: ``///host/v1/charges`` too)
+        authority = slashed.lstrip("/")
+        end = authority.find("/")  # the authority ends at the next slash (a path has no ? or # left)
+        readings.append(normalised_path(authority[end:] if end >= 0 else "/"))
     if ";" in path:  # Servlet containers drop each segment's ;parameters, then resolve dot segments
         readings.append(normalised_path(_PATH_PARAMETERS.sub("", path)))
     return readings

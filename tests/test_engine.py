@@ -200,6 +200,21 @@ async def test_a_path_that_reads_as_another_route_to_a_url_parser_is_refused(
     assert [e.path_qs for e in upstream.executed] == ["//pay.example/v2/x", "/v1/charges/a\\b"]
 
 
+@pytest.mark.parametrize("target", [b"///pay.example/v1/charges", b"/\\\\pay.example/v1/charges",
+                                    b"/\\/pay.example/v1/charges", b"////pay.example/v1/charges"])
+async def test_a_path_whose_authority_follows_more_than_two_slashes_is_refused(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, target: bytes
+) -> None:
+    """A WHATWG URL parser skips every slash and backslash before an authority, not two: ``///pay.example/v1/charges``
+    and ``/\\\\pay.example/v1/charges`` are the path ``/v1/charges`` there, as ``//pay.example/v1/charges`` is.
+    They went on as sent, unkeyed under no route (the required one skipped)."""
+    proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True}])
+    headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
+    resp = await send_raw(proxy.url, build_request(b"POST", target, headers, b"{}"))
+    assert resp.status == 400 and json.loads(resp.body)["code"] == "bad_request", resp.body
+    assert upstream.executed == []
+
+
 @pytest.mark.parametrize("target", [b"/v1;x=1/charges", b"/v1/events/..;/charges"])
 async def test_a_path_that_reads_as_another_route_to_a_servlet_container_is_refused(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, target: bytes
