@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import unquote, unquote_plus, urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 import yaml
+from yarl import URL
 
 T = TypeVar("T")
 
@@ -368,6 +369,12 @@ def other_readings(path: str) -> list[str]:
     if ";" in path:  # Servlet containers drop each segment's ;parameters, then resolve dot segments
         readings.append(normalised_path(_PATH_PARAMETERS.sub("", path)))
     return readings
+
+
+def _request_path(written: str) -> str:
+    """``written`` as aiohttp's ``request.path`` (what routes match) reads it: escapes decoded, but one that is no
+    UTF-8 (``%E9``) kept as written, where ``unquote`` would make it U+FFFD, which no path holds."""
+    return URL.build(path=written, encoded=True).path
 
 
 def _unresolved(prefix: str) -> bool:
@@ -956,9 +963,9 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         elif not isinstance(prefix, str) or not prefix.startswith("/"):
             loader.error(f"{path}.prefix", f"{prefix!r} must be a path starting with '/'")
             prefix = "/"
-        elif unquote(prefix) != prefix:  # (routes match request.path, decoded: an escape there would never match)
+        elif (decoded := _request_path(prefix)) != prefix:  # (an escape request.path decodes would never match)
             loader.error(f"{path}.prefix", f"{prefix!r} is matched against the decoded path (%-escapes read as the "
-                         f"characters they stand for): write it decoded ({unquote(prefix)!r})")
+                         f"characters they stand for): write it decoded ({decoded!r})")
         elif _unresolved(prefix):  # (every path under it would read as another at the upstream: AmbiguousPath)
             loader.error(f"{path}.prefix", f"{prefix!r} holds a repeated slash, a '.' or '..' segment, a ';' parameter "
                          "or a backslash: every request under it would be refused (400 bad_request) as a path an "

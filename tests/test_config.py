@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from yarl import URL
 
 from idemproxy.config import (
     AmbiguousPath,
@@ -863,6 +864,19 @@ def test_a_prefix_written_percent_encoded_is_refused(prefix: str, decoded: str) 
         f"stand for): write it decoded ({decoded!r})"]
     route = load_config({"upstream": UP, "routes": [{"prefix": decoded, "required": True}]}, env={}).routes[0]
     assert route.prefix == decoded
+
+
+def test_a_prefix_whose_escapes_stay_in_the_decoded_path_is_taken() -> None:
+    """An escape that is no UTF-8 (``%E9``, a Latin-1 path) stays in the path routes match (aiohttp's
+    ``request.path`` leaves it as written), so a prefix holding one matches as written: refusing it as "not decoded"
+    and naming ``'/legacy/caf\ufffd'``, which no path holds, broke a route that had served (review, 2026-11-27)."""
+    config = load_config({"upstream": UP, "routes": [{"prefix": "/legacy/caf%E9", "enabled": False}]}, env={})
+    assert config.routes[0].prefix == "/legacy/caf%E9"
+    assert config.route_for(URL.build(path="/legacy/caf%E9/x", encoded=True).path) is config.routes[0]
+    # what the request path decodes is still refused, the error naming the prefix as that path holds it
+    assert errors_of({"upstream": UP, "routes": [{"prefix": "/v1/caf%C3%A9/%E9"}]}) == [
+        "routes[0].prefix: '/v1/caf%C3%A9/%E9' is matched against the decoded path (%-escapes read as the "
+        "characters they stand for): write it decoded ('/v1/café/%E9')"]
 
 
 @pytest.mark.parametrize("prefix", ["/v1//charges", "/v1/./charges", "/v1/x/../charges", "/v1/charges/.",
