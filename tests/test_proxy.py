@@ -574,6 +574,29 @@ async def test_interim_answers_are_forwarded_on_pass_through_only(
     assert upstream.count(path="/hinted") == 5
 
 
+async def test_an_interim_answer_whose_reason_phrase_holds_a_control_character_loses_only_its_phrase(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """A reason phrase means nothing (RFC 9112 §4: a client ignores it), and a 1xx answer is no answer: one whose
+    phrase holds a control character (which llhttp lets through) made the whole exchange a broken answer, 502
+    upstream_reset, though its final answer was whole. A covered request, which relays no 1xx answer, lost its
+    stored 201 (an outcome unknown: the key held until its lease ran out), and a pass-through lost its answer over a
+    100 that is never relayed. The final answer goes through; a relayed 1xx answer goes without its phrase."""
+    proxy = await make_proxy("embedded")
+    covered = await send_raw_bytes(proxy.url, b"POST /odd-hints HTTP/1.1\r\nHost: x\r\nX-Test-Interim: odd\r\n"
+                                              b"Idempotency-Key: odd-hint-1\r\nAuthorization: Bearer t1\r\n"
+                                              b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+    assert covered.startswith(b"HTTP/1.1 201 Created\r\n") and covered.count(b"HTTP/1.1 ") == 1, covered
+    replayed = await send_raw_bytes(proxy.url, b"POST /odd-hints HTTP/1.1\r\nHost: x\r\nX-Test-Interim: odd\r\n"
+                                               b"Idempotency-Key: odd-hint-1\r\nAuthorization: Bearer t1\r\n"
+                                               b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+    assert replayed.startswith(b"HTTP/1.1 201 ") and b"Idempotent-Replayed: true" in replayed, replayed
+    passed = await send_raw_bytes(proxy.url, b"GET /odd-hints HTTP/1.1\r\nHost: x\r\nX-Test-Interim: odd\r\n"
+                                             b"Connection: close\r\n\r\n")
+    assert passed.startswith(b"HTTP/1.1 103 \r\nLink: </a.css>; rel=preload\r\n\r\nHTTP/1.1 200 OK\r\n"), passed
+    assert upstream.count(path="/odd-hints") == 2
+
+
 async def test_interim_answers_without_an_end_are_504_within_the_upstream_timeout(
     make_proxy: ProxyFactory, upstream: RecordingUpstream
 ) -> None:

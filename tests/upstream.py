@@ -14,7 +14,8 @@ A request steers it with headers (so concurrent tests never share state):
   X-Test-No-Type: 1          answer with no Content-Type (aiohttp would add application/octet-stream)
   X-Test-Interim: 1          send interim answers first: a 100 nobody asked for, then a 103 Early Hints
                              (101: a 101 Switching Protocols instead; hints: a 103 every 100 ms for 10 s;
-                             flood: 101 of them at once; close: one 103 saying Connection: close)
+                             flood: 101 of them at once; close: one 103 saying Connection: close; odd: a 100
+                             and a 103 whose reason phrases hold a control character)
   X-Test-Coding: codings     answer with a chunked body under "Transfer-Encoding: <codings>" (raw bytes), then close
   X-Test-Cut: 1              answer with a head declaring 10 bytes of body, send 4 and close (raw bytes)
   X-Test-Head: bytes         answer with about this many bytes of extra headers (X-Head-0, X-Head-1, ... of 4 KiB)
@@ -115,6 +116,9 @@ class RecordingUpstream:
             await request.writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n")
         elif kind == "flood":
             await request.writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n" * 101)
+        elif kind == "odd":  # (phrases llhttp lets through, not valid HTTP/1.1: RFC 9112 §4)
+            await request.writer.write(b"HTTP/1.1 100 Con\x01tinue\r\n\r\nHTTP/1.1 103 Early\x1bHints\r\n"
+                                       b"Link: </a.css>; rel=preload\r\n\r\n")
         elif kind == "close":  # (llhttp refused whatever followed such a 1xx, the final answer too)
             await request.writer.write(b"HTTP/1.1 103 Early Hints\r\nConnection: close\r\n\r\n")
         elif kind == "hints":  # hints that go on and on, the answer withheld (until the client hangs up)
