@@ -246,8 +246,9 @@ class Engine:
         except AmbiguousPath:  # counted and logged as any refused request, under route "other" (none applies)
             refused = _Exchange(upstream=self.upstreams.for_route(None), outcome=BadRequest.outcome, status=400)
             self._observe(request, "other", refused, started)
-            raise BadRequest("The path names another route once its repeated slashes or dot segments are resolved; "
-                             "send it resolved.") from None
+            raise BadRequest("The path names another route as an upstream may read it (repeated slashes or dot "
+                             "segments resolved, a backslash read as a slash, a leading // as a host, or ;parameters "
+                             "dropped); send the path it stands for.") from None
         idem = route.idempotency if route is not None else self.config.idempotency
         exchange = _Exchange(upstream=self.upstreams.for_route(route))
         with self.tracer.server_span(request.method, route.prefix if route else None, request.headers) as span:

@@ -215,6 +215,20 @@ async def test_a_path_whose_authority_follows_more_than_two_slashes_is_refused(
     assert upstream.executed == []
 
 
+@pytest.mark.parametrize(("target", "named"), [(b"/v1;x=1/charges", "parameters"), (b"/v1\\charges", "backslash"),
+                                              (b"//pay.example/v1/charges", "leading //")])
+async def test_the_refusal_of_a_path_read_as_another_route_names_the_reading(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, target: bytes, named: str
+) -> None:
+    """The 400 said "once its repeated slashes or dot segments are resolved; send it resolved" for every path read
+    as another route, also for one with no repeated slash or dot segment at all (a ``;`` parameter, a backslash,
+    a host): its client was told to fix what it had not sent."""
+    proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True}])
+    resp = await send_raw(proxy.url, build_request(b"POST", target, [(b"Authorization", b"t")], b"{}"))
+    assert resp.status == 400 and named in json.loads(resp.body)["detail"], resp.body
+    assert upstream.executed == []
+
+
 @pytest.mark.parametrize("target", [b"/v1;x=1/charges", b"/v1/events/..;/charges"])
 async def test_a_path_that_reads_as_another_route_to_a_servlet_container_is_refused(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, target: bytes
