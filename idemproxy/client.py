@@ -312,10 +312,9 @@ class _Connection(asyncio.Protocol):
         if status < 100:  # (llhttp takes any three digits: "099" is no 1xx answer, nor a final one; RFC 9110 §15)
             raise UpstreamProtocolError(f"The upstream answered with the invalid status code {status:03d}.")
         if _CONTROL.search(self._reason):  # (llhttp passes any byte but CR and LF; aiohttp would not write it)
-            if status >= 200:
-                raise UpstreamUnrelayable(status, "a head that is not valid HTTP/1.1 (a control character in its "
-                                                  "reason phrase)")
-            self._reason = b""  # a 1xx answer is no answer, its phrase means nothing: relayed (if at all) without it
+            # A reason phrase means nothing (RFC 9112 §4: a client ignores it, and none is stored): the answer goes
+            # on without it ("HTTP/1.1 201 "), never relayed raw, never lost over it.
+            self._reason = b""
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the final one follows
             self._interims += 1
             if self._interims > MAX_INTERIM:  # each is bounded; so is their number (an endless stream of them)

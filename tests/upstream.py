@@ -18,6 +18,7 @@ A request steers it with headers (so concurrent tests never share state):
                              and a 103 whose reason phrases hold a control character)
   X-Test-Coding: codings     answer with a chunked body under "Transfer-Encoding: <codings>" (raw bytes), then close
   X-Test-Cut: 1              answer with a head declaring 10 bytes of body, send 4 and close (raw bytes)
+  X-Test-Phrase: 1           answer with a reason phrase holding a control character, then close (raw bytes)
   X-Test-Head: bytes         answer with about this many bytes of extra headers (X-Head-0, X-Head-1, ... of 4 KiB)
 The paths /stream/upload and /stream/download?size=N stream huge bodies without keeping them;
 /stream/broken?size=N declares N bytes and hangs up halfway.
@@ -87,8 +88,8 @@ class RecordingUpstream:
             request.transport.close()
             return web.Response()
         status = int(h.get("X-Test-Status", "201" if request.method == "POST" else "200"))
-        if "X-Test-Coding" in h or "X-Test-Cut" in h:
-            return await self.raw(request, status, h.get("X-Test-Coding"))
+        if "X-Test-Coding" in h or "X-Test-Cut" in h or "X-Test-Phrase" in h:
+            return await self.raw(request, status, h.get("X-Test-Coding"), serial if "X-Test-Phrase" in h else None)
         headers = {"X-Upstream-Serial": str(serial), "X-Custom": "kept"}
         if "X-Test-Hop" in h:  # hop-by-hop headers the proxy must not pass on
             headers.update({"Connection": "X-Up-Private", "X-Up-Private": "1", "Keep-Alive": "timeout=5"})
@@ -134,10 +135,16 @@ class RecordingUpstream:
                                        b"X-Hop: 1\r\nKeep-Alive: timeout=5\r\n\r\n")
 
     @staticmethod
-    async def raw(request: web.Request, status: int, codings: str | None) -> web.StreamResponse:
+    async def raw(request: web.Request, status: int, codings: str | None, phrased: int | None) -> web.StreamResponse:
         """Written raw, then the connection closed: a chunked answer under other codings too (aiohttp's server
-        names chunked alone), or (no codings) an answer whose body breaks off after 4 of its 10 bytes."""
-        if codings is None:
+        names chunked alone), an answer whose reason phrase holds a control character (``phrased``: its serial;
+        llhttp lets any byte but CR and LF through, aiohttp writes none), or an answer whose body breaks off after 4
+        of its 10 bytes."""
+        if phrased is not None:
+            body = json.dumps({"serial": phrased}).encode()
+            await request.writer.write(b"HTTP/1.1 %d Cre\x01ated\r\nContent-Type: application/json\r\n"
+                                       b"Content-Length: %d\r\n\r\n%s" % (status, len(body), body))
+        elif codings is None:
             await request.writer.write(b"HTTP/1.1 %d Done\r\nContent-Length: 10\r\n\r\nhalf" % status)
         else:
             await request.writer.write(b"HTTP/1.1 %d Done\r\nTransfer-Encoding: %s\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
