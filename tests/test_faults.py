@@ -747,6 +747,37 @@ async def test_a_claim_that_gets_the_last_connection_late_still_gets_its_503_wit
     assert upstream.count() == 2
 
 
+async def test_a_one_statement_claim_timed_out_is_counted_and_released_only_if_it_had_a_connection(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_one_table_dsn: str
+) -> None:
+    """One table (claims one statement each), pool_max 1, PostgreSQL stalled: the first claim's statement and the
+    second claim's wait for the pool (then for a new connection) run out of their 5 s. Both are store errors
+    (idemproxy_store_errors_total: the shared timeout's were not counted), and only the first may have landed:
+    the second, never sent, leaves no release pending (it was taken as maybe applied, a release for nothing)."""
+    dsn = await empty_records(pg_one_table_dsn)
+    parts = urlsplit(dsn)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        proxy = await make_proxy(storage_section={"postgres": {"dsn": via(relay, dsn), "pool_min": 1,
+                                                               "pool_max": 1, "partitions": "none"}})
+        assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+        store = proxy.proxy.store
+        assert isinstance(store, PostgresStore) and not store.batching
+        errors = store_errors(proxy, "claim")
+        relay.stall()
+        first = asyncio.ensure_future(proxy.post("/v1/charges", key="holds-the-connection", body=CHARGE))
+        await until(lambda: store._pool.get_idle_size() == 0)  # the first claim has the one connection
+        second, _ = await proxy.post("/v1/charges", key="waits-for-the-pool", body=CHARGE)
+        assert [(await first)[0].status, second.status] == [503, 503]
+        assert store_errors(proxy, "claim") == errors + 2
+        assert proxy.proxy.metrics.registry.get_sample_value("idemproxy_pending_settles") == 1, \
+            "only the claim that was sent may have landed"
+        relay.restore()
+        await until(lambda: proxy.proxy.metrics.registry.get_sample_value("idemproxy_pending_settles") == 0,
+                    timeout=10)
+        assert (await proxy.post("/v1/charges", key="after-stall", body=CHARGE))[0].status == 201
+    assert upstream.count() == 2
+
+
 async def test_an_operation_cancelled_midway_never_poisons_the_pool(clean_pg: str) -> None:
     """A claim cancelled while its statement runs (a client gone, a timeout): the connection is discarded, so the
     next operation on the one-connection pool is not refused with "another operation is in progress"."""

@@ -1158,16 +1158,19 @@ class PostgresStore(Store):
                 except CallTimeout as exc:  # (5 s after the call: the batcher's timeout)
                     raise _unavailable("claim", exc, maybe_applied=exc.sent) from exc
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
-        try:
-            # the pool's wait and the statement share the 5 s: a claim that got the last connection late must not
-            # then wait a whole statement timeout more
-            async with asyncio.timeout(OPERATION_TIMEOUT), self._conn("claim") as conn:
-                for _ in range(5):  # see the race described at _CLAIM
-                    row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
-                    if row is not None:
-                        return row
-        except TimeoutError as exc:  # (the connection, interrupted, was discarded by _connection)
-            raise _unavailable("claim", exc) from exc
+        sent = False  # (a claim still waiting for the pool when its time ran out was never sent)
+        async with self.measured("claim"):  # (outside the timeout: its 503 is counted as a store error)
+            try:
+                # the pool's wait and the statement share the 5 s: a claim that got the last connection late must
+                # not then wait a whole statement timeout more
+                async with asyncio.timeout(OPERATION_TIMEOUT), self._connection("claim") as conn:
+                    sent = True
+                    for _ in range(5):  # see the race described at _CLAIM
+                        row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
+                        if row is not None:
+                            return row
+            except TimeoutError as exc:  # (the connection, interrupted, was discarded by _connection)
+                raise _unavailable("claim", exc, maybe_applied=sent) from exc
         raise StoreUnavailable("The idempotency store could not settle a claim.")
 
     async def _refresh_layout(self) -> None:
