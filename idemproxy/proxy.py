@@ -460,7 +460,9 @@ async def _write_patiently(
     finally:
         if not write.done():
             write.cancel()
-            write.add_done_callback(lambda task: task.cancelled() or task.exception())
+        # (also a write that failed already, the client gone, as the look at its progress raised: its error is
+        # retrieved here, never logged by asyncio as "Task exception was never retrieved")
+        write.add_done_callback(lambda task: task.cancelled() or task.exception())
 
 
 async def stream_response(

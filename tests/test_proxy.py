@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import gzip
 import json
 import logging
@@ -238,6 +239,44 @@ async def test_a_client_that_leaves_while_a_write_waits_is_a_client_gone() -> No
         with pytest.raises(ConnectionResetError):
             await _write_patiently(request, response, b"x", 0.05)  # type: ignore[arg-type]
     finally:
+        for writer in accepted:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_write_that_failed_as_the_client_left_leaves_no_unretrieved_error() -> None:
+    """The client gone between a chunk's write and the look at its progress: the write (its own task) has failed
+    already ("Cannot write to closing transport") when the look raises ConnectionResetError. Its error was never
+    retrieved: asyncio logged "Task exception was never retrieved" with a traceback for every client that hung up
+    on a large pass-through answer (seen on a serve process, a client closing after the head)."""
+    accepted: list[asyncio.StreamWriter] = []
+    server = await asyncio.start_server(lambda _, writer: accepted.append(writer), "127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, object]] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: unretrieved.append(context))
+    transport, _ = await loop.create_connection(asyncio.Protocol, *server.sockets[0].getsockname()[:2])
+    try:
+        async def write(chunk: bytes) -> None:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+        request = SimpleNamespace(transport=transport)
+        response = SimpleNamespace(write=write)
+        transport.abort()
+        gone = False
+        try:
+            await _write_patiently(request, response, b"x", 0.05)  # type: ignore[arg-type]
+        except ConnectionResetError:
+            gone = True  # (the exception and its frames dropped here: the write's task goes with them)
+        assert gone
+        await asyncio.sleep(0)  # (a done callback that retrieves it runs now)
+        gc.collect()
+        assert unretrieved == []
+    finally:
+        loop.set_exception_handler(handler)
         for writer in accepted:
             writer.close()
             with contextlib.suppress(ConnectionError):
