@@ -30,7 +30,8 @@ T = TypeVar("T")
 
 PROBE_BUSY_MS = 1000  # how long a health check waits for the write lock (a claim waits 5 s, sqlite3's default)
 # A write waits at most this for the write lock (another process holding the file), counted from its call: one
-# queued behind a batch waiting out its own busy wait gets only what is left (sqlite3's default busy timeout).
+# queued behind a batch waiting out its own busy wait gets only what is left (sqlite3's default busy timeout). A
+# batch waits what is left of its oldest write's: a write that joined it late may fail sooner than this.
 WRITE_WAIT = 5.0
 BUSY_SLACK = 0.5  # a batch whose oldest write queued less than this keeps the full busy timeout (no PRAGMA)
 
