@@ -175,6 +175,16 @@ async def test_a_path_that_reads_as_another_route_once_normalised_is_refused(
     assert 'idemproxy_request_duration_seconds_count{outcome="invalid_key"} 2.0' in text
 
 
+
+async def refused_with_a_key_or_without(
+    proxy: RunningProxy, upstream: RecordingUpstream, target: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """``target`` is refused (400 ``bad_request``) with an idempotency key and without one, and nothing executed."""
+    for extra in ([], [(b"Idempotency-Key", b"k")]):
+        resp = await send_raw(proxy.url, build_request(b"POST", target, [*headers, *extra], b"{}"))
+        assert resp.status == 400 and json.loads(resp.body)["code"] == "bad_request", resp.body
+    assert upstream.executed == []
+
 @pytest.mark.parametrize(
     "target", [b"//pay.example/v1/charges", b"/\\pay.example/v1/charges", b"/v1/events\\..\\charges"],
 )
@@ -189,10 +199,7 @@ async def test_a_path_that_reads_as_another_route_to_a_url_parser_is_refused(
     proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True},
                                      {"prefix": "/v1/events", "enabled": False}])
     headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
-    for extra in ([], [(b"Idempotency-Key", b"k")]):
-        resp = await send_raw(proxy.url, build_request(b"POST", target, [*headers, *extra], b"{}"))
-        assert resp.status == 400 and json.loads(resp.body)["code"] == "bad_request", resp.body
-    assert upstream.executed == []
+    await refused_with_a_key_or_without(proxy, upstream, target, headers)
     # a path with a backslash or a leading // whose readings all fall under one route is forwarded as sent
     for fine in (b"//pay.example/v2/x", b"/v1/charges/a\\b"):
         resp = await send_raw(proxy.url, build_request(b"POST", fine, [*headers, (b"Idempotency-Key", fine)], b"{}"))
@@ -240,10 +247,7 @@ async def test_a_path_that_reads_as_another_route_to_a_servlet_container_is_refu
     proxy = await make_proxy(routes=[{"prefix": "/v1/charges", "required": True},
                                      {"prefix": "/v1/events", "enabled": False}])
     headers = [(b"Authorization", b"t"), (b"Content-Type", b"application/json")]
-    for extra in ([], [(b"Idempotency-Key", b"k")]):
-        resp = await send_raw(proxy.url, build_request(b"POST", target, [*headers, *extra], b"{}"))
-        assert resp.status == 400 and json.loads(resp.body)["code"] == "bad_request", resp.body
-    assert upstream.executed == []
+    await refused_with_a_key_or_without(proxy, upstream, target, headers)
     # parameters that leave the route as it is go on as sent
     keyed = [*headers, (b"Idempotency-Key", b"param")]
     resp = await send_raw(proxy.url, build_request(b"POST", b"/v1/charges;v=2", keyed, b"{}"))

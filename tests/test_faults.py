@@ -137,18 +137,12 @@ async def test_claims_queued_while_another_process_locks_the_embedded_file_get_5
     store = proxy.proxy.store
     assert isinstance(store, EmbeddedStore)
     intruder = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
-    loop = asyncio.get_running_loop()
-
-    async def timed(key: str) -> tuple[int, float]:
-        began = loop.time()
-        resp, _ = await proxy.post("/v1/charges", key=key, body=CHARGE)
-        return resp.status, loop.time() - began
 
     try:
         intruder.execute("BEGIN EXCLUSIVE")
-        first = asyncio.ensure_future(timed("waiting"))
+        first = asyncio.ensure_future(timed_post(proxy, "waiting"))
         await until(lambda: store._committing and not store._queued)  # its batch is in the busy wait
-        queued = await asyncio.gather(*(timed(f"queued-{i}") for i in range(3)))
+        queued = await asyncio.gather(*(timed_post(proxy, f"queued-{i}") for i in range(3)))
         results = [await first, *queued]
     finally:
         intruder.execute("ROLLBACK")
@@ -534,24 +528,26 @@ async def test_claims_queued_behind_a_stalled_postgres_get_503_within_the_operat
                                  upstream={"timeout": "1s"}, idempotency={"lease": "3s"})
         assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
         relay.stall()
-        loop = asyncio.get_running_loop()
-
-        async def timed(key: str) -> tuple[int, float]:
-            began = loop.time()
-            resp, _ = await proxy.post("/v1/charges", key=key, body=CHARGE)
-            return resp.status, loop.time() - began
 
         store = proxy.proxy.store
         assert isinstance(store, PostgresStore)
         sent = store._claims.batches
-        first = [asyncio.ensure_future(timed(f"on-the-wire-{i}")) for i in range(2)]
+        first = [asyncio.ensure_future(timed_post(proxy, f"on-the-wire-{i}")) for i in range(2)]
         await until(lambda: store._claims.batches == sent + 2)  # both batches of claims stalled on the wire
-        queued = await asyncio.gather(*(timed(f"queued-{i}") for i in range(3)))
+        queued = await asyncio.gather(*(timed_post(proxy, f"queued-{i}") for i in range(3)))
         results = [*(await asyncio.gather(*first)), *queued]
         relay.restore()
     assert all(status == 503 for status, _ in results), results
     assert max(took for _, took in results) < 6, results
     assert upstream.count() == 1  # the warm-up only
+
+
+async def timed_post(proxy: RunningProxy, key: str) -> tuple[int, float]:
+    """A covered POST's status, and how long its answer took."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    resp, _ = await proxy.post("/v1/charges", key=key, body=CHARGE)
+    return resp.status, loop.time() - began
 
 
 async def post_while_503(proxy: RunningProxy, key: str, within: float = 15) -> tuple[aiohttp.ClientResponse, bytes]:
@@ -717,18 +713,12 @@ async def test_a_claim_that_gets_the_last_connection_late_still_gets_its_503_wit
     store = proxy.proxy.store
     assert isinstance(store, PostgresStore) and not store.batching
     locker = await asyncpg.connect(dsn)
-    loop = asyncio.get_running_loop()
-
-    async def timed(key: str) -> tuple[int, float]:
-        began = loop.time()
-        resp, _ = await proxy.post("/v1/charges", key=key, body=CHARGE)
-        return resp.status, loop.time() - began
 
     try:
         lock = locker.transaction()
         await lock.start()
         await locker.execute("LOCK TABLE idemproxy_records IN ACCESS EXCLUSIVE MODE")
-        first = asyncio.ensure_future(timed("holds-the-connection"))
+        first = asyncio.ensure_future(timed_post(proxy, "holds-the-connection"))
 
         async def blocked() -> bool:  # the first claim's statement waits for the lock
             return bool(await locker.fetchval(
@@ -736,7 +726,7 @@ async def test_a_claim_that_gets_the_last_connection_late_still_gets_its_503_wit
 
         while not await blocked():
             await asyncio.sleep(0.01)
-        second = await timed("waits-for-the-pool")
+        second = await timed_post(proxy, "waits-for-the-pool")
         results = [await first, second]
         await lock.rollback()
     finally:

@@ -221,6 +221,16 @@ async def test_a_client_that_stops_reading_frees_its_upstream_connection_within_
         await writer.wait_closed()
 
 
+async def close_server(server: asyncio.Server, accepted: list[asyncio.StreamWriter]) -> None:
+    """Close ``server`` and the connections it accepted."""
+    for writer in accepted:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+
+
 async def test_a_client_that_leaves_while_a_write_waits_is_a_client_gone() -> None:
     """Its transport closing and its socket's fd -1 by the time the wait for progress looks: the first version
     asked the kernel about fd -1 and raised ValueError, an unhandled error (seen under uvloop, now and then, when
@@ -239,12 +249,7 @@ async def test_a_client_that_leaves_while_a_write_waits_is_a_client_gone() -> No
         with pytest.raises(ConnectionResetError):
             await _write_patiently(request, response, b"x", 0.05)  # type: ignore[arg-type]
     finally:
-        for writer in accepted:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-        server.close()
-        await server.wait_closed()
+        await close_server(server, accepted)
 
 
 async def test_a_write_that_failed_as_the_client_left_leaves_no_unretrieved_error() -> None:
@@ -277,12 +282,7 @@ async def test_a_write_that_failed_as_the_client_left_leaves_no_unretrieved_erro
         assert unretrieved == []
     finally:
         loop.set_exception_handler(handler)
-        for writer in accepted:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-        server.close()
-        await server.wait_closed()
+        await close_server(server, accepted)
 
 
 async def test_a_slow_client_that_keeps_reading_is_not_cut(
