@@ -42,6 +42,7 @@ from typing import Any
 
 import aiohttp
 import asyncpg
+import redis as sync_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -252,8 +253,9 @@ async def stores(workdir: Path) -> tuple[dict[str, Any], dict[str, list[int]], C
     await conn.execute(f"CREATE DATABASE {database}")
     await conn.close()
     postgres = {"dsn": pg_admin.rsplit("/", 1)[0] + f"/{database}", "pool_min": 4, "pool_max": 20}
+    prefix = f"bench:{uuid.uuid4().hex[:8]}:"
     sections = {
-        "redis": {"postgres": postgres, "redis": {"url": redis_url, "key_prefix": f"bench:{uuid.uuid4().hex[:8]}:"}},
+        "redis": {"postgres": postgres, "redis": {"url": redis_url, "key_prefix": prefix}},
         "postgres": {"postgres": postgres},
         "embedded": {"embedded": {"path": str(workdir / "bench.sqlite3")}},
     }
@@ -265,6 +267,14 @@ async def stores(workdir: Path) -> tuple[dict[str, Any], dict[str, list[int]], C
             await conn.close()
 
         asyncio.run(drop())
+        if not any(isinstance(server, RedisServer) for server in owned):  # a shared Redis: this run's keys go
+            client = sync_redis.Redis.from_url(redis_url)
+            try:
+                names = list(client.scan_iter(match=prefix + "*", count=1000))
+                for start in range(0, len(names), 1000):
+                    client.delete(*names[start:start + 1000])
+            finally:
+                client.close()
         for server in owned:
             server.destroy()
 
