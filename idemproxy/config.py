@@ -1184,20 +1184,19 @@ def load_config_file(
     overrides: Mapping[str, Any] | None = None,
 ) -> Config:
     """Read and check a YAML file (None: defaults plus ``overrides``)."""
-    raw: Any = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError([f"{path}: cannot read the file ({exc.strerror})"]) from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start})"]) from exc
-        try:
-            return load_config(_parse_yaml(path, text), env=env, overrides=overrides)
-        except RecursionError:  # (the parser's, or the loader's walk over a value that holds itself)
-            raise ConfigError([f"{path}: a value is nested too deeply, or holds itself through an alias (`*name` "
-                               "inside the value anchored `&name`): write it out"]) from None
-    return load_config(raw, env=env, overrides=overrides)
+    if path is None:
+        return load_config({}, env=env, overrides=overrides)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read the file ({exc.strerror})"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"{path}: not UTF-8 text (byte {exc.start})"]) from exc
+    try:
+        return load_config(_parse_yaml(path, text), env=env, overrides=overrides)
+    except RecursionError:  # (the parser's, or the loader's walk over a value that holds itself)
+        raise ConfigError([f"{path}: a value is nested too deeply, or holds itself through an alias (`*name` "
+                           "inside the value anchored `&name`): write it out"]) from None
 
 
 def _parse_yaml(path: str | os.PathLike[str], text: str) -> Any:

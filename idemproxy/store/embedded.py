@@ -263,7 +263,7 @@ class EmbeddedStore(Store):
         self._check_file()
         # The busy wait for the write lock gets what is left of the oldest write's WRITE_WAIT: writes queued
         # while the batch before waited out its busy timeout must not wait a whole one more.
-        left = WRITE_WAIT - (time.monotonic() - min(queued for _, _, queued in batch))
+        left = WRITE_WAIT - (time.monotonic() - batch[0][2])  # (queued in order: the first is the oldest)
         lowered = left < WRITE_WAIT - BUSY_SLACK
         if lowered:
             db.execute(f"PRAGMA busy_timeout = {max(int(left * 1000), 0)}")
