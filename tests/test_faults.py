@@ -681,9 +681,11 @@ async def test_statement_timeout_and_exhausted_pool_are_503(
     proxy = await make_proxy(storage_section={"postgres": {"dsn": clean_pg, "pool_min": 1, "pool_max": 1}})
     assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
     locker = await asyncpg.connect(clean_pg)
+    # applies to the connections the pool opens from now on; the warm one is replaced after its timeout. Set on
+    # this run's database, not on the role: a role's setting would reach every database of a shared server.
+    database = await locker.fetchval("SELECT quote_ident(current_database())")
     try:
-        # applies to the connections the pool opens from now on; the warm one is replaced after its timeout
-        await locker.execute("ALTER ROLE CURRENT_USER SET statement_timeout = '6s'")
+        await locker.execute(f"ALTER DATABASE {database} SET statement_timeout = '6s'")
         lock = locker.transaction()
         await lock.start()
         await locker.execute("LOCK TABLE idemproxy_records IN ACCESS EXCLUSIVE MODE")
@@ -695,7 +697,7 @@ async def test_statement_timeout_and_exhausted_pool_are_503(
         resp, _ = await proxy.post("/v1/charges", key="after-lock", body=CHARGE)
         assert resp.status == 201  # the interrupted connection was discarded, not handed out again
     finally:
-        await locker.execute("ALTER ROLE CURRENT_USER RESET statement_timeout")
+        await locker.execute(f"ALTER DATABASE {database} RESET statement_timeout")
         await locker.close()
     assert upstream.count(key="locked-0") == upstream.count(key="locked-1") == 0
 
