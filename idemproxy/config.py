@@ -1073,6 +1073,7 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
     # the top-level upstream with the idempotency defaults).
     # (A ttl shorter than the lease is fine: an in-flight record stands for its whole lease in every store, and a
     # completed one for the ttl.)
+    _request_id_carries_no_secret(loader, config)
     for path, idem, upstream_path, upstream in _policies(config):
         if config.request_id.header.lower() in (name.lower() for name in idem.fingerprint_headers):
             loader.error(f"{path}.fingerprint_headers", f"{config.request_id.header!r} is request_id.header: each "
@@ -1118,6 +1119,26 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
         loader.error("storage.postgres.pool_min", "must not exceed storage.postgres.pool_max")
     if config.tracing.endpoint and config.tracing.exporter != "otlp":
         loader.error("tracing.endpoint", f"is only used with exporter: otlp (not {config.tracing.exporter})")
+
+
+def _request_id_carries_no_secret(loader: _Loader, config: Config) -> None:
+    """The request id header is echoed in every response, written to the access log, and replaced upstream by this
+    hop's own id when the client's is malformed: never a header that carries the tenant's credential or the key
+    (a credential without a space, ``sk_live_...``, was echoed and logged in clear; ``Bearer ...`` reached the
+    upstream as a random id; a key was logged raw)."""
+    name = config.request_id.header
+    if name.lower() in ("authorization", "cookie") or (
+            config.tenant.from_ == "header" and name.lower() == config.tenant.header.lower()):
+        loader.error("request_id.header", f"{name!r} carries a credential (tenant.header, Authorization or Cookie): "
+                     "the request id is echoed in every response, written to the access log and replaced upstream "
+                     "by this hop's own id when malformed; name another header")
+        return
+    for path, idem, _upstream_path, _upstream in _policies(config):
+        if idem.header.lower() == name.lower():  # (the first policy that names it: one error)
+            loader.error("request_id.header", f"{name!r} is {path}.header (the idempotency key): the request id is "
+                         "echoed in every response, written to the access log and replaced upstream by this hop's "
+                         "own id when malformed; name another header")
+            return
 
 
 def _fmt_seconds(value: float) -> str:

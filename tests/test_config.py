@@ -968,6 +968,38 @@ def test_the_replay_header_cannot_be_the_request_id_header() -> None:
         "every response"]
 
 
+@pytest.mark.parametrize(("raw", "error"), [
+    ({"request_id": {"header": "authorization"}},
+     "request_id.header: 'authorization' carries a credential (tenant.header, Authorization or Cookie)"),
+    ({"request_id": {"header": "X-Api-Key"}, "tenant": {"header": "x-api-key"}},
+     "request_id.header: 'X-Api-Key' carries a credential (tenant.header, Authorization or Cookie)"),
+    ({"request_id": {"header": "Authorization"}, "tenant": {"from": "static"}},
+     "request_id.header: 'Authorization' carries a credential (tenant.header, Authorization or Cookie)"),
+    ({"request_id": {"header": "Cookie"}},
+     "request_id.header: 'Cookie' carries a credential (tenant.header, Authorization or Cookie)"),
+    ({"request_id": {"header": "idempotency-key"}},
+     "request_id.header: 'idempotency-key' is idempotency.header (the idempotency key)"),
+    ({"request_id": {"header": "X-Route-Key"}, "routes": [{"prefix": "/a", "header": "x-route-key"}]},
+     "request_id.header: 'X-Route-Key' is routes[0].header (the idempotency key)"),
+])
+def test_the_request_id_header_cannot_carry_the_tenant_credential_or_the_key(raw: dict[str, Any], error: str) -> None:
+    # The request id is echoed in every response, written to the access log, and replaced upstream by this hop's
+    # own id when malformed. Named Authorization (the tenant header), a credential with no space (sk_live_...) came
+    # back in every response and stood in clear in the access log; "Bearer ..." (a space: malformed as an id)
+    # reached the upstream as a random id. Named the key header, the raw key stood in the access log. Refused.
+    errors = errors_of({"upstream": UP, **raw})
+    assert [e.split(":")[0] for e in errors] == ["request_id.header"]
+    assert errors[0].startswith(error)
+    assert errors[0].endswith("; name another header")
+
+
+def test_a_request_id_header_that_is_only_another_tenant_header_name_is_kept() -> None:
+    # With the tenant named by X-Api-Key, X-Request-Id (the default) and a static tenant's unused header pass.
+    assert load_config({"upstream": UP, "tenant": {"header": "X-Api-Key"}}, env={}).request_id.header == "X-Request-Id"
+    assert load_config({"upstream": UP, "tenant": {"from": "static", "header": "X-Tenant"},
+                        "request_id": {"header": "X-Tenant"}}, env={}).request_id.header == "X-Tenant"
+
+
 @pytest.mark.parametrize("name", ["api_key", "apikey", "x-api-key", "key", "auth", "Authorization",
                                   "credential", "signature"])
 def test_an_api_key_in_a_collector_url_is_masked_like_a_token(name: str, tmp_path: Path) -> None:
