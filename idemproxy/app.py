@@ -250,9 +250,14 @@ class Proxy:
                        on_bad_key=self._count_unreadable_key, request_ids=True, **settings)
 
     def _count_unreadable_key(self, request: web.BaseRequest) -> None:
-        """A key header the parser refused is an ``invalid_key`` like any other (route and method unknown:
-        ``other`` and aiohttp's ``UNKNOWN``)."""
-        self.metrics.per_request("other", request.method, "invalid_key").count()
+        """A key header the parser refused is an ``invalid_key`` like any other, counted and access-logged (route
+        and method unknown: ``other`` and aiohttp's ``UNKNOWN``)."""
+        self.engine.refused(request, 400, parsed=False)
+
+    def _refuse(self, request: web.BaseRequest, refused: web.Response) -> web.Response:
+        """An answer made before the engine ran, counted and access-logged as the engine's own refusals are."""
+        self.engine.refused(request, refused.status)
+        return refused
 
     async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
         """The one handler of the proxy port: the request id, ``Expect``, the engine, problems rendered.
@@ -263,16 +268,16 @@ class Proxy:
         if request.method == "CONNECT":  # (aiohttp reads the bytes after its head as a tunnel's: no body to forward)
             tunnel = BadRequest("CONNECT is not supported: this proxy opens no tunnels.").response()
             tunnel.force_close()
-            return tunnel
+            return self._refuse(request, tunnel)
         if "Transfer-Encoding" in request.headers:
             refused = _transfer_coding(request)
             if refused is not None:
-                return refused
+                return self._refuse(request, refused)
         expecting = "Expect" in request.headers
         if expecting:
             refused = _expect(request)
             if refused is not None:
-                return refused
+                return self._refuse(request, refused)
         response = await render_problems(request, self.engine.handle)
         if not response.prepared:  # (a streamed answer was marked by the proxy before it started)
             request[UPSTREAM_SERVER] = "Server" in response.headers

@@ -271,6 +271,20 @@ class Engine:
                 if self.tracer.enabled:
                     _annotate(span, exchange)
 
+    def refused(self, request: web.BaseRequest, status: int, *, parsed: bool = True) -> None:
+        """A request refused as malformed before this engine saw it (an ``Expect`` other than 100-continue, a
+        transfer coding other than chunked, ``CONNECT``, a key header aiohttp's parser refused): counted and
+        access-logged as any request refused as malformed is (outcome ``invalid_key``, the contract's one for
+        it), under the route its path names (``other`` for none, for a path or method that names none, and for a
+        request the parser refused: ``parsed`` false, its method and path unread)."""
+        route = "other"
+        if parsed and request.method != "CONNECT":  # (an authority-form target names a host, not a path)
+            with contextlib.suppress(AmbiguousPath):
+                matched = self.config.route_for(request.path or "/")
+                route = matched.prefix if matched is not None else "other"
+        refused = _Exchange(upstream=self.upstreams.for_route(None), outcome=BadRequest.outcome, status=status)
+        self._observe(request, route, refused, time.perf_counter())
+
     def _observe(self, request: web.BaseRequest, route: str, ex: _Exchange, started: float) -> None:
         total = time.perf_counter() - started
         counted = self.metrics.per_request(route, request.method, ex.outcome)

@@ -770,6 +770,48 @@ async def test_a_request_in_a_transfer_coding_other_than_chunked_is_501_and_neve
     assert status == 201 and upstream.executed[0].body == b"hello"
 
 
+_KEYED = b"Host: x\r\nIdempotency-Key: early-1\r\nAuthorization: Bearer t1\r\nConnection: close\r\n"
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "method", "route"),
+    [
+        (b"POST /v1/charges HTTP/1.1\r\n" + _KEYED + b"Expect: 200-ok\r\nContent-Length: 2\r\n\r\n{}",
+         417, "POST", "/v1/charges"),
+        (b"POST /v1/charges HTTP/1.1\r\n" + _KEYED + b"Transfer-Encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+         501, "POST", "/v1/charges"),
+        (b"POST /v1/charges HTTP/1.0\r\n" + _KEYED + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+         400, "POST", "/v1/charges"),
+        (b"PATCH /public HTTP/1.1\r\n" + _KEYED + b"Expect: 200-ok\r\nContent-Length: 2\r\n\r\n{}",
+         417, "PATCH", "other"),
+        (b"CONNECT pay.example:443 HTTP/1.1\r\nHost: pay.example:443\r\n\r\n", 400, "CONNECT", "other"),
+        (build_request(b"POST", b"/v1/charges", [(b"Idempotency-Key", b"k\x01ey"), (b"Authorization", b"t")], b"{}"),
+         400, "UNKNOWN", "other"),
+    ],
+    ids=["expectation", "transfer-coding", "http10-transfer-coding", "uncovered-route", "connect", "unreadable-key"],
+)
+async def test_a_request_refused_before_the_engine_is_counted_and_access_logged(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture, raw: bytes, status: int,
+    method: str, route: str,
+) -> None:
+    """A 417 (an unknown expectation), a 501 (a transfer coding other than chunked), the 400s for an HTTP/1.0
+    request with a transfer coding and for CONNECT were answered before the engine ran: the client got a problem
+    with a request id, but no access line named that id and idemproxy_requests_total never counted the request
+    (a key header the parser refused was counted, never access-logged). Counted and logged as the engine's own
+    refusals are: outcome invalid_key, the route the path names."""
+    proxy = await make_proxy("embedded", log={"access": "INFO"}, routes=[{"prefix": "/v1/charges"}])
+    with caplog.at_level("INFO", logger="idemproxy.access"):
+        response = parse_response(await send_raw_bytes(proxy.url, raw, timeout=10))
+    assert response.status == status and response.headers["content-type"] == "application/problem+json"
+    request_id = response.headers["x-request-id"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "idemproxy.access"]
+    assert len(lines) == 1 and lines[0].startswith(f"{method} ") and lines[0].endswith(f" {request_id}"), lines
+    assert f" {status} invalid_key " in lines[0]
+    counted = f'idemproxy_requests_total{{method="{method}",outcome="invalid_key",route="{route}"}} 1.0'
+    assert counted in proxy.proxy.metrics.render().decode()
+    assert upstream.executed == []
+
+
 @pytest.mark.parametrize("target", ["/v1/charges", "/public"])
 async def test_an_http10_request_with_a_transfer_coding_is_400_and_its_connection_closed(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, target: str
