@@ -488,10 +488,11 @@ class _ProblemRequestHandler(RequestHandler):
         if 400 <= status < 500:
             log.info("refused a request that is not valid HTTP/1.1 (%s)%s", type(exc).__name__ if exc else status,
                      named)
-            # The parser's message quotes the line it refused, as b'Name: value': the name alone says whether it
-            # was the key (never logged or echoed: the value may be a credential).
+            # The parser's message quotes the line it refused, as b'Name: value' (b"Name: value" when the value
+            # holds a single quote): the name alone says whether it was the key (never logged or echoed: the value
+            # may be a credential).
             quoted = (message or "").lower()
-            if any(f"b'{name}:" in quoted for name in self.key_headers):
+            if any(f"b'{name}:" in quoted or f'b"{name}:' in quoted for name in self.key_headers):
                 self.on_bad_key(request)
                 problem = InvalidKey("The idempotency key header could not be read (not printable ASCII, or too "
                                      "long); nothing was forwarded.")

@@ -336,11 +336,17 @@ async def test_a_key_ending_in_unicode_whitespace_is_invalid_not_the_key_without
     [
         (build_request(b"POST", b"/v1/charges", [(b"Idempotency-Key", b"k\x01ey"), (b"Authorization", b"t")], b"{}"),
          "invalid_key"),
+        # The parser quotes a line holding a single quote as b"...": such a key was a bad_request, not invalid_key.
+        (build_request(b"POST", b"/v1/charges", [(b"Idempotency-Key", b"k'\x01ey"), (b"Authorization", b"t")], b"{}"),
+         "invalid_key"),
         (build_request(b"POST", b"/v1/charges", [(b"Idempotency-Key", b"k"), (b"Authorization", b"sk_live_SECRET\x01")],
+                       b"{}"), "bad_request"),
+        (build_request(b"POST", b"/v1/charges", [(b"Idempotency-Key", b"k"), (b"Authorization", b"sk_'SECRET\x01")],
                        b"{}"), "bad_request"),
         (b"GARBAGE\r\n\r\n", "bad_request"),
     ],
-    ids=["control-char-in-key", "control-char-in-credential", "not-http"],
+    ids=["control-char-in-key", "control-char-and-quote-in-key", "control-char-in-credential",
+         "control-char-and-quote-in-credential", "not-http"],
 )
 async def test_a_request_the_parser_refuses_gets_a_problem_and_logs_nothing_of_it(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture, raw: bytes, code: str
