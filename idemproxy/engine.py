@@ -129,6 +129,9 @@ def parse_key(values: list[str], max_length: int) -> str:
     if len(values) != 1:
         raise InvalidKey("The idempotency key header must be sent exactly once.")
     key = values[0].strip(" \t")  # HTTP's whitespace only: a no-break space (U+00A0) is no part of HTTP
+    if "," in key and _joined_repeat(key):
+        raise InvalidKey("The idempotency key header must be sent exactly once (it came as one line repeating "
+                         "the same key between commas, as a hop joins a header sent twice).")
     if key.startswith('"'):  # an RFC 9651 sf-string: must be closed, and means the key it quotes
         if len(key) < 2 or not key.endswith('"'):
             raise InvalidKey("The quoted idempotency key has no closing quote.")
@@ -140,6 +143,14 @@ def parse_key(values: list[str], max_length: int) -> str:
     if not (key.isascii() and key.isprintable()):  # exactly " " to "~"
         raise InvalidKey("The idempotency key must be printable ASCII.")
     return key
+
+
+def _joined_repeat(value: str) -> bool:
+    """``k, k``: the form a hop gives a header sent twice when it joins the lines (RFC 9110 §5.3). Read as one key,
+    a retry through a hop that keeps one line (``k``) would be another key and run again. Only a list of one key
+    repeated is refused: a key may hold a comma (``a, b`` stays the key ``a, b``)."""
+    first, *rest = (item.strip(" \t") for item in value.split(","))
+    return bool(first) and all(item == first for item in rest)
 
 
 def _unquote_sf_string(inner: str) -> str:

@@ -375,6 +375,22 @@ async def test_repeated_key_header_is_400(make_proxy: ProxyFactory, upstream: Re
     assert upstream.executed == []
 
 
+@pytest.mark.parametrize("joined", ["m1, m1", "m1,m1", "m1 ,  m1,m1", '"m1", "m1"'])
+async def test_a_key_header_sent_twice_and_joined_by_a_hop_is_400(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, joined: str
+) -> None:
+    """A hop that joins a header sent twice gives one line, ``m1, m1`` (RFC 9110 §5.3); a hop that keeps one gives
+    ``m1``. Read as a key of its own, the first executed again on a retry through the second. A key holding a
+    comma that is not one key repeated stays a key."""
+    proxy = await make_proxy()
+    resp, body = await proxy.post("/v1/charges", key=joined, body=CHARGE)
+    assert resp.status == 400 and problem(body)["code"] == "invalid_key", (resp.status, body)
+    assert upstream.executed == []
+    for key in ("m1", "a, b", "m1,", ",m1"):
+        assert (await proxy.post("/v1/charges", key=key, body=CHARGE))[0].status == 201, key
+    assert upstream.count() == 4
+
+
 async def test_quoted_key_is_the_same_key(make_proxy: ProxyFactory, upstream: RecordingUpstream) -> None:
     proxy = await make_proxy()
     await proxy.post("/v1/charges", key='"order-\\"7"', body=CHARGE)
