@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -16,7 +18,8 @@ from aiohttp.test_utils import TestServer
 
 from idemproxy.store import redis as redis_store
 from idemproxy.store.base import State, StoredResponse
-from idemproxy.store.redis import BREAKER_COOLDOWN, LOCK_MAX, YOUNG_LOCK, RedisFrontedStore, _encode
+from idemproxy.store.codec import record_hash
+from idemproxy.store.redis import BREAKER_COOLDOWN, LOCK_MAX, YOUNG_LOCK, RedisFrontedStore, _decode, _encode
 from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
 from tests.servers import RedisServer, free_port
@@ -359,6 +362,77 @@ async def test_an_undecodable_cache_entry_falls_back_to_postgres_not_500(
     again, again_body = await proxy.post("/v1/charges", key="garbled", body=CHARGE)
     assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true" and again_body == first_body
     assert upstream.count(key="garbled") == 1
+
+
+def garble(copy: bytes, damage: str) -> bytes:
+    """A replay-cache copy with its bytes changed in Redis: not JSON any more, or JSON that is no record's."""
+    raw_head, _, body = copy.partition(b"\n")
+    head = json.loads(raw_head)
+    if damage == "bytes":
+        return b"\x00\xff" + copy[2:]
+    if damage == "status":
+        head["s"] = 99999
+    elif damage == "header":
+        head["h"] = [*head["h"], ["X-Injected", "1\r\nSet-Cookie: session=stolen"]]
+    elif damage == "times":
+        head["e"] = "later"
+    return json.dumps(head).encode() + b"\n" + body
+
+
+def sample(proxy: RunningProxy, name: str, **labels: str) -> float:
+    return proxy.proxy.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("damage", ["bytes", "status", "header", "times"])
+async def test_a_garbled_copy_is_answered_from_postgres_replaced_and_costs_no_other_key_its_fast_path(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    damage: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A copy in the replay cache whose bytes changed in Redis failed the Redis step: the breaker opened, and every
+    key of the replica went to PostgreSQL for a second, again at each retry of that key, until the copy expired
+    (replay_cache_ttl, 1h); a copy that was JSON but no record's was replayed as it stood (a status or a header that
+    cannot be sent: the client got a broken answer). The key's requests are answered from PostgreSQL, the copy is
+    written anew, other keys keep Redis, and an error log (no content) and a metric say so. Also while the key is in
+    flight: dropping the copy never lets a duplicate through."""
+    proxy = await make_proxy(storage_section={**section(clean_pg, redis_url, redis_prefix), "replay_memory": 0})
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    _, first_body = await proxy.post("/v1/charges", key="bad", body=CHARGE)
+    assert (await proxy.post("/v1/charges", key="good", body=CHARGE))[0].status == 201
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        name = redis_keys(proxy, "bad")[1]
+        copy = client.get(name)
+        assert isinstance(copy, bytes)
+        client.set(name, garble(copy, damage), keepttl=True)
+        with caplog.at_level(logging.ERROR, "idemproxy.store.redis"):
+            answers = await asyncio.gather(*(proxy.post("/v1/charges", key="bad", body=CHARGE) for _ in range(5)))
+        for resp, body in answers:
+            assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "true", body
+            assert body == first_body and "X-Injected" not in resp.headers
+        used = sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim")
+        assert (await proxy.post("/v1/charges", key="good", body=CHARGE))[0].headers["Idempotent-Replayed"] == "true"
+        assert sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim") > used
+        assert sample(proxy, "idemproxy_store_errors_total", backend="redis", operation="claim") == 0
+        assert sample(proxy, "idemproxy_store_errors_total", backend="redis", operation="copy") >= 1
+        assert record_hash(tenant, "bad") in caplog.text and "serial" not in caplog.text
+        rewritten = client.get(name)
+        assert isinstance(rewritten, bytes)
+        stored = await durable(proxy).get(tenant, "bad")
+        assert stored is not None and _decode(tenant, "bad", rewritten).response == stored.response
+
+        # In flight: the owner holds the key (its lock in Redis, its claim in PostgreSQL), a garbled copy appears.
+        owner = asyncio.create_task(proxy.post("/v1/charges", key="held", body=CHARGE, headers={"X-Test-Hang": "1"}))
+        await until(lambda: upstream.count(key="held") == 1)
+        client.set(redis_keys(proxy, "held")[1], garble(copy, damage), px=60_000)
+        duplicates = await asyncio.gather(*(proxy.post("/v1/charges", key="held", body=CHARGE) for _ in range(5)))
+        assert [resp.status for resp, _ in duplicates] == [409] * 5
+        upstream.release_hangs()
+        assert (await owner)[0].status == 201
+        again, _ = await proxy.post("/v1/charges", key="held", body=CHARGE)
+        assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true"
+        assert upstream.count(key="bad") == 1 and upstream.count(key="held") == 1
+    finally:
+        client.close()
 
 
 # ------------------------------------------------------------------------- the in-process replay cache

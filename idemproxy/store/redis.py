@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ from idemproxy.store.base import (
     step_bounds,
 )
 from idemproxy.store.batch import Batcher, follow_up
-from idemproxy.store.codec import PLAIN, Codec, json_encoder
+from idemproxy.store.codec import PLAIN, Codec, json_encoder, record_hash
 from idemproxy.store.resp import RespClient, supports
 
 log = logging.getLogger("idemproxy.store.redis")
@@ -95,11 +96,14 @@ PIPELINES_IN_FLIGHT = 2  # pipelines on the wire at once; calls made meanwhile g
 #
 # KEYS: lock, response, epoch. ARGV: "token fingerprint lease-end-ms", lock ttl ms, a fresh epoch, epoch ttl ms.
 # Returns {"completed", payload, pttl} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
+# ARGV[5], only when given: a copy that did not decode; dropped first if it is still the one cached (see
+# ``_fast_claim``).
 # Idempotent: a client may send it again after a connection broke with the reply in flight (redis-py's cluster
 # client does so across a failover), and the lock it finds is then its own (the token is unique to this claim):
 # acquired, never a 409 against itself.
 _CLAIM = """
 local cached = redis.call('GET', KEYS[2])
+if cached and cached == ARGV[5] then redis.call('DEL', KEYS[2]); cached = false end
 if cached then return {'completed', cached, redis.call('PTTL', KEYS[2])} end
 local epoch = redis.call('GET', KEYS[3])
 if not epoch then epoch = ARGV[3]; redis.call('SET', KEYS[3], epoch, 'PX', ARGV[4]) end
@@ -144,6 +148,12 @@ _FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
 # #3835; seen here as "'NoneType' object has no attribute 'writelines'" when a master is killed). On a cluster
 # these count as Redis failing too: the durable store answers instead of the request getting a 500.
 _CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError)
+# A replay-cache copy that does not decode (another version's format, a key-prefix collision, bytes changed in
+# Redis): Redis answered, so it is no Redis failure (no breaker); the copy is dropped and the durable store answers.
+_GARBLED = (ValueError, KeyError, IndexError, TypeError, RecursionError)
+_NUMBER = (int, float)
+# Characters aiohttp refuses in a header it sends (a replay would fail as it is written, after the handler ended).
+_FORBIDDEN = re.compile(r"[\r\n\x00]")
 
 
 # The record header's JSON, by an encoder built once (json.dumps builds one per call).
@@ -157,7 +167,7 @@ _ScriptCall = tuple[Any, list[str], list[Any]]  # a registered script, its keys,
 class _Fast:
     kind: str  # completed | in_flight | acquired; or, to ask the durable store: foreign (a lock with another
     # fingerprint), young (a lock whose claim may not be decided yet), unknown (the script was sent and Redis
-    # failed: it may have run, and the lock be ours)
+    # failed: it may have run, and the lock be ours), garbled (a copy that did not decode, twice: nothing locked)
     record: Record | None = None
     epoch: str = UNKNOWN_EPOCH
     now: float | None = None  # with a record: now, on the clock its times were written by
@@ -226,19 +236,32 @@ def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
 
 
 def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Record:
+    """The record a copy holds; ValueError (or another of ``_GARBLED``) when it is not one this version wrote
+    whole: a copy is replayed as it stands, so a status or header that could not be sent, or a time that is no
+    number, must not pass for one."""
     raw_head, _, body = payload.partition(b"\n")
     head = json.loads(raw_head)
+    fingerprint, status, kept = head["f"], head["s"], head["b"]
+    created, completed, expires = head["c"], head["d"], head["e"]
+    if (type(fingerprint) is not str or type(status) is not int or not 100 <= status <= 599
+            or type(kept) is not bool or type(created) not in _NUMBER or type(expires) not in _NUMBER
+            or (completed is not None and type(completed) not in _NUMBER)):
+        raise ValueError("not a record's head")
     if "h" in head:  # written in clear (by this version with both off, or before them)
-        headers = tuple((str(k), str(v)) for k, v in head["h"])
+        pairs = head["h"]
+        headers = tuple([(k, v) for k, v in pairs if type(k) is str and type(v) is str])
+        if len(headers) != len(pairs) or (
+                b"\\" in raw_head and any(_FORBIDDEN.search(k + v) for k, v in headers)):  # (escaped only)
+            raise ValueError("headers not readable")
         body = codec.plain_body(tenant, key, body, backend=RedisFrontedStore.backend)
     else:
         headers, body = codec.unpack(tenant, key, body, backend=RedisFrontedStore.backend,
-                                     outcome=(head["s"], bool(head["b"]), head["f"]))
-    response = StoredResponse(status=head["s"], headers=headers, body=body if head["b"] else None)
+                                     outcome=(status, kept, fingerprint))
+    response = StoredResponse(status=status, headers=headers, body=body if kept else None)
     return Record(
-        tenant=tenant, key=key, fingerprint=head["f"], state=State.COMPLETED, lease_token=None,
-        lease_expires_at=None, response=response, created_at=head["c"], completed_at=head["d"],
-        expires_at=head["e"],
+        tenant=tenant, key=key, fingerprint=fingerprint, state=State.COMPLETED, lease_token=None,
+        lease_expires_at=None, response=response, created_at=created, completed_at=completed,
+        expires_at=expires,
     )
 
 
@@ -477,21 +500,25 @@ class RedisFrontedStore(Store):
                           lease: float) -> _Fast | None:
         with self._fast("claim") as step:
             if step.usable:
-                reply = await self._script(
-                    self._claim_script, self._keys(tenant, key),
-                    [f"{token} {fingerprint} {int((time.time() + lease) * 1000)}",
-                     int(min(lease, LOCK_MAX) * 1000), token, self._epoch_ms],  # token: a fresh epoch too
-                )
+                keys = self._keys(tenant, key)
+                args = [f"{token} {fingerprint} {int((time.time() + lease) * 1000)}",
+                        int(min(lease, LOCK_MAX) * 1000), token, self._epoch_ms]  # token: a fresh epoch too
+                reply = await self._script(self._claim_script, keys, args)
                 kind = reply[0].decode()
                 if kind == "completed":  # written only after the durable store completed: authoritative
-                    record = _decode(tenant, key, reply[1], self.codec)
-                    # "Now" on the clock the record's times were written by (the completing replica's), from
-                    # the time its copy has left on Redis's own (PTTL: a duration, immune to skew between
-                    # hosts). A copy of it kept in memory then never outlives it, whatever this host's clock
-                    # says. (The copy's time left is at most the record's.)
-                    left = int(reply[2]) if len(reply) > 2 else -1
-                    now = record.expires_at - left / 1000 if left >= 0 else time.time()
-                    return _Fast(kind, record, now=now)
+                    copy = self._copy(tenant, key, reply)
+                    if copy is not None:
+                        return copy
+                    # A copy that does not decode: Redis answered, so no breaker (one bad key would otherwise
+                    # send every key to the durable store, again at each retry of it, until the copy expired).
+                    # Claim again, dropping that copy if it still stands: the claim then reads the epoch and
+                    # takes the lock as for a copy that expired, the durable store decides, and a completed
+                    # record's copy is written anew, fenced by that epoch (_repair). Only the cache is dropped,
+                    # never a lock.
+                    reply = await self._script(self._claim_script, keys, [*args, reply[1]])
+                    kind = reply[0].decode()
+                    if kind == "completed":  # garbled again meanwhile: the durable store answers, nothing kept
+                        return self._copy(tenant, key, reply) or _Fast("garbled")
                 if kind == "acquired":
                     return _Fast(kind, epoch=reply[1].decode())
                 _, lock_fp, *deadline = reply[1].decode().split(" ")
@@ -520,6 +547,25 @@ class RedisFrontedStore(Store):
         # Sent and failed (a reply later than SOCKET_TIMEOUT, a connection cut after the write): the script may
         # have run and the lock be ours, with nobody to drop it. Skipped (the breaker rests): nothing was sent.
         return _Fast("unknown") if step.tried else None
+
+    def _copy(self, tenant: str, key: str, reply: list[Any]) -> _Fast | None:
+        """The completed record a claim's reply carries; None (logged, counted) when its copy does not decode."""
+        try:
+            record = _decode(tenant, key, reply[1], self.codec)
+        except _GARBLED as exc:
+            log.error("redis copy of record %s does not decode (%s); dropping it, answering from %s",
+                      record_hash(tenant, key), type(exc).__name__, self.durable.backend,
+                      extra={"record": record_hash(tenant, key), "backend": self.backend})
+            if self.metrics is not None:
+                self.metrics.store_children(self.backend, "copy").error()
+            return None
+        # "Now" on the clock the record's times were written by (the completing replica's), from the time its
+        # copy has left on Redis's own (PTTL: a duration, immune to skew between hosts). A copy of it kept in
+        # memory then never outlives it, whatever this host's clock says. (The copy's time left is at most the
+        # record's.)
+        left = int(reply[2]) if len(reply) > 2 else -1
+        now = record.expires_at - left / 1000 if left >= 0 else time.time()
+        return _Fast("completed", record, now=now)
 
     async def claim(
         self, tenant: str, key: str, fingerprint: str, *, lease: float, ttl: float,
