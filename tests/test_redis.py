@@ -435,6 +435,45 @@ async def test_a_garbled_copy_is_answered_from_postgres_replaced_and_costs_no_ot
         client.close()
 
 
+@pytest.mark.parametrize("entry", ["garbage", "binary", "bad-deadline", "no-expiry", "binary-epoch"])
+async def test_a_lock_or_epoch_entry_idemproxy_never_writes_costs_neither_the_breaker_nor_a_409_for_ever(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    entry: str,
+) -> None:
+    """A lock entry that did not parse (not text, no fingerprint, a lease end that is no number) failed the Redis
+    step at every claim of its key: the breaker opened for every key, and a completed key never got its copy back.
+    A lock of this proxy's form but without an expiry (never one it writes) answered 409 for its key for ever, from
+    Redis alone, whether PostgreSQL held the key completed or not at all. An epoch that was not text failed the
+    step too. PostgreSQL decides instead; the key executes once and replays."""
+    proxy = await make_proxy(storage_section={**section(clean_pg, redis_url, redis_prefix), "replay_memory": 0})
+    fp = proxy.proxy.engine.fingerprint("POST", "/v1/charges", (), json.dumps(CHARGE).encode(), canonical=True)
+    value = {"garbage": b"garbage", "binary": b"\xff\xfe \xfd", "bad-deadline": f"tok {fp} soon".encode(),
+             "no-expiry": f"tok {fp} {int(time.time() * 1000) + 3_600_000}".encode(), "binary-epoch": b"\xff"}[entry]
+    assert (await proxy.post("/v1/charges", key="done", body=CHARGE))[0].status == 201
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        for key in ("done", "fresh"):
+            lock, copy, epoch = redis_keys(proxy, key)
+            client.delete(copy)  # (the completed key's copy gone: expired, evicted)
+            if entry == "binary-epoch":
+                client.set(epoch, value, px=600_000)
+            else:
+                client.set(lock, value, px=None if entry == "no-expiry" else 8_000)
+        for _ in range(3):
+            done, _ = await proxy.post("/v1/charges", key="done", body=CHARGE)
+            assert done.status == 201 and done.headers["Idempotent-Replayed"] == "true"
+        fresh = [(await proxy.post("/v1/charges", key="fresh", body=CHARGE))[0] for _ in range(3)]
+        assert [(r.status, r.headers["Idempotent-Replayed"]) for r in fresh] == [
+            (201, "false"), (201, "true"), (201, "true")]
+        used = sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim")
+        assert (await proxy.post("/v1/charges", key="other", body=CHARGE))[0].status == 201
+        assert sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim") > used
+        assert sample(proxy, "idemproxy_store_errors_total", backend="redis", operation="claim") == 0
+        assert upstream.count(key="done") == 1 and upstream.count(key="fresh") == 1
+    finally:
+        client.close()
+
+
 # ------------------------------------------------------------------------- the in-process replay cache
 
 

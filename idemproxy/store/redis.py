@@ -265,6 +265,30 @@ def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Reco
     )
 
 
+def _lock(reply: list[Any]) -> tuple[str, int | None] | None:
+    """(fingerprint, lease end in ms or None) of the lock an ``in_flight`` claim reply names; None for a lock this
+    proxy never writes: not ``token fingerprint [lease-end-ms]`` in text, or without an expiry (every lock is set
+    with one, at most LOCK_MAX). Such a lock (another program's key under the prefix, bytes changed in Redis)
+    would fail the Redis step at each claim of its key, opening the breaker for every key, or, without an expiry,
+    answer 409 for that key for ever, from Redis alone; the durable store decides instead."""
+    try:
+        _, fingerprint, *deadline = reply[1].decode().split(" ")
+        end = int(deadline[0]) if deadline else None
+        left = int(reply[2])
+    except (ValueError, IndexError, AttributeError):  # (a UnicodeDecodeError is a ValueError)
+        return None
+    return (fingerprint, end) if left >= 0 else None
+
+
+def _epoch(raw: bytes) -> str:
+    """An epoch as read. One that is not text was not written here: unknown, so nothing fenced by it is written
+    (its key goes without a replay-cache copy until it expires), and Redis is not taken for failed."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return UNKNOWN_EPOCH
+
+
 class RedisFrontedStore(Store):
     """A durable store with Redis in front: lock, replay cache and completion notifications."""
 
@@ -520,25 +544,29 @@ class RedisFrontedStore(Store):
                     if kind == "completed":  # garbled again meanwhile: the durable store answers, nothing kept
                         return self._copy(tenant, key, reply) or _Fast("garbled")
                 if kind == "acquired":
-                    return _Fast(kind, epoch=reply[1].decode())
-                _, lock_fp, *deadline = reply[1].decode().split(" ")
+                    return _Fast(kind, epoch=_epoch(reply[1]))
+                lock = _lock(reply)
+                if lock is None:  # a lock this proxy did not write: Redis answered, so no breaker either
+                    self._not_ours(tenant, key)
+                    return _Fast("foreign", epoch=_epoch(reply[3]))
+                lock_fp, deadline = lock
                 if lock_fp != fingerprint:
                     # The lock names the fingerprint of whoever took it, before the durable store decided: only
                     # the durable record may answer 422 (the lock holder may be a wrong payload about to be
                     # refused, while this request is the genuine retry of a completed record).
-                    return _Fast("foreign", epoch=reply[3].decode())
+                    return _Fast("foreign", epoch=_epoch(reply[3]))
                 # The lease's end as its owner's replica counted it (the lock itself may expire sooner), and "now"
                 # on that same clock, from the time the lock has left on Redis's own (PTTL: a duration, immune to
                 # skew between hosts): a waiter whose clock is ahead of the owner's does not see a lease that is
                 # still alive as run out, and look again every 10 ms until the owner is done. The lock lived
                 # min(lease, LOCK_MAX) from the claim, so the lease has what the lock has left plus the rest of
                 # the route's lease past LOCK_MAX (the same route, the same lease).
-                lock_left = max(int(reply[2]), 0) / 1000
+                lock_left = int(reply[2]) / 1000  # (>= 0: see _lock)
                 if min(lease, LOCK_MAX) - lock_left < YOUNG_LOCK:  # its claim may not be decided yet
-                    return _Fast("young", epoch=reply[3].decode())
+                    return _Fast("young", epoch=_epoch(reply[3]))
                 lease_left = lock_left + max(lease - LOCK_MAX, 0.0)
-                lease_end = int(deadline[0]) / 1000 if deadline else time.time() + lock_left
-                now = lease_end - lease_left if deadline else lease_end - lock_left
+                lease_end = deadline / 1000 if deadline is not None else time.time() + lock_left
+                now = lease_end - lease_left if deadline is not None else lease_end - lock_left
                 return _Fast(kind, Record(
                     tenant=tenant, key=key, fingerprint=lock_fp, state=State.IN_FLIGHT,
                     lease_token=None, lease_expires_at=lease_end, response=None,
@@ -566,6 +594,13 @@ class RedisFrontedStore(Store):
         left = int(reply[2]) if len(reply) > 2 else -1
         now = record.expires_at - left / 1000 if left >= 0 else time.time()
         return _Fast("completed", record, now=now)
+
+    def _not_ours(self, tenant: str, key: str) -> None:
+        log.error("redis lock of record %s is not one idemproxy writes (unreadable, or without expiry); asking %s",
+                  record_hash(tenant, key), self.durable.backend,
+                  extra={"record": record_hash(tenant, key), "backend": self.backend})
+        if self.metrics is not None:
+            self.metrics.store_children(self.backend, "lock").error()
 
     async def claim(
         self, tenant: str, key: str, fingerprint: str, *, lease: float, ttl: float,
