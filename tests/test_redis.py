@@ -376,6 +376,8 @@ def garble(copy: bytes, damage: str) -> bytes:
         head["h"] = [*head["h"], ["X-Injected", "1\r\nSet-Cookie: session=stolen"]]
     elif damage == "times":
         head["e"] = "later"
+    elif damage == "no-headers":  # with no codec configured: was read as a frame that does not open (503)
+        del head["h"]
     return json.dumps(head).encode() + b"\n" + body
 
 
@@ -383,7 +385,7 @@ def sample(proxy: RunningProxy, name: str, **labels: str) -> float:
     return proxy.proxy.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-@pytest.mark.parametrize("damage", ["bytes", "status", "header", "times"])
+@pytest.mark.parametrize("damage", ["bytes", "status", "header", "times", "no-headers"])
 async def test_a_garbled_copy_is_answered_from_postgres_replaced_and_costs_no_other_key_its_fast_path(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
     damage: str, caplog: pytest.LogCaptureFixture,

@@ -51,7 +51,7 @@ from idemproxy.store.base import (
     step_bounds,
 )
 from idemproxy.store.batch import Batcher, follow_up
-from idemproxy.store.codec import PLAIN, Codec, json_encoder, record_hash
+from idemproxy.store.codec import MAGIC, PLAIN, Codec, json_encoder, record_hash
 from idemproxy.store.resp import RespClient, supports
 
 log = logging.getLogger("idemproxy.store.redis")
@@ -254,6 +254,8 @@ def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Reco
                 b"\\" in raw_head and any(_FORBIDDEN.search(k + v) for k, v in headers)):  # (escaped only)
             raise ValueError("headers not readable")
         body = codec.plain_body(tenant, key, body, backend=RedisFrontedStore.backend)
+    elif not body.startswith(MAGIC):  # neither in clear nor a frame: no value that does not open, but no value
+        raise ValueError("neither headers nor a frame")
     else:
         headers, body = codec.unpack(tenant, key, body, backend=RedisFrontedStore.backend,
                                      outcome=(status, kept, fingerprint))
