@@ -521,6 +521,31 @@ async def test_a_release_on_another_replica_evicts_the_copy(
     assert upstream.count(key="shared") == 2
 
 
+async def test_a_message_on_the_channel_that_is_not_text_does_not_deafen_the_subscriber(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    """Anything may publish on the channel (another program under the same prefix): one message that was not UTF-8
+    ended the subscriber for good. Releases on other replicas then never reached this one's waiters, and its
+    in-process replay cache stayed off until a restart."""
+    reader = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    releaser = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+    await until_live(reader)
+    await reader.post("/v1/charges", key="shared", body=CHARGE)
+    tenant = releaser.proxy.engine.resolve_tenant_value("Bearer t1")
+    await until_kept(reader, tenant, "shared")
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        client.publish(fronted(reader).channel, b"\xff\xfe not text")
+    finally:
+        client.close()
+    with reader.proxy.store.watch(tenant, "shared") as changed:
+        assert await releaser.proxy.store.forget(tenant, "shared")  # announced on Redis, after the junk
+        await asyncio.wait_for(changed, 3)
+    fresh, _ = await reader.post("/v1/charges", key="shared", body=CHARGE)
+    assert fresh.headers["Idempotent-Replayed"] == "false" and upstream.count(key="shared") == 2
+    await until_kept(reader, tenant, "shared")  # the in-process cache answers again: notifications are live
+
+
 @pytest.mark.parametrize("fault", ["stall", "cut"])
 async def test_without_live_notifications_the_copy_is_not_used(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,

@@ -427,7 +427,9 @@ class RedisFrontedStore(Store):
                         resumed = True
                         self.watchers.notify_all()
                     if message.get("type") == "message" and message["data"]:
-                        self.watchers.notify_message(message["data"].decode())
+                        # (not strict: a message that is not UTF-8 is no one's of ours, and a strict decode raised
+                        # past the handler below, ending the subscriber for good)
+                        self.watchers.notify_message(message["data"].decode("utf-8", "surrogateescape"))
             except self._errors:
                 # Deaf from the first error until the next subscription hears Redis (not only after the back-off
                 # below): a release announced meanwhile is missed, so copies of records must not answer
