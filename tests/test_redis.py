@@ -476,6 +476,37 @@ async def test_a_lock_or_epoch_entry_idemproxy_never_writes_costs_neither_the_br
         client.close()
 
 
+@pytest.mark.parametrize("name", ["lock", "copy", "epoch"])
+async def test_a_key_of_another_type_under_one_of_our_names_costs_no_other_key_its_fast_path(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    name: str,
+) -> None:
+    """A list (or any non-string) where a lock, copy or epoch belongs made the claim script's GET fail: Redis counted
+    as failed and the breaker opened for every key, at each claim of that key, for as long as the key stood (for
+    ever, without an expiry). PostgreSQL decides; the key executes once and replays; Redis stays in use."""
+    proxy = await make_proxy(storage_section={**section(clean_pg, redis_url, redis_prefix), "replay_memory": 0})
+    assert (await proxy.post("/v1/charges", key="done", body=CHARGE))[0].status == 201
+    client = sync_redis.Redis.from_url(redis_url)
+    try:
+        for key in ("done", "fresh"):
+            names = dict(zip(("lock", "copy", "epoch"), redis_keys(proxy, key), strict=True))
+            client.delete(names["copy"], names[name])  # (the completed key's copy gone too: expired, evicted)
+            client.rpush(names[name], b"not ours")
+        for _ in range(3):
+            done, _ = await proxy.post("/v1/charges", key="done", body=CHARGE)
+            assert done.status == 201 and done.headers["Idempotent-Replayed"] == "true"
+        fresh = [(await proxy.post("/v1/charges", key="fresh", body=CHARGE))[0] for _ in range(3)]
+        assert [(r.status, r.headers["Idempotent-Replayed"]) for r in fresh] == [
+            (201, "false"), (201, "true"), (201, "true")]
+        used = sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim")
+        assert (await proxy.post("/v1/charges", key="other", body=CHARGE))[0].status == 201
+        assert sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim") > used
+        assert sample(proxy, "idemproxy_store_errors_total", backend="redis", operation="claim") == 0
+        assert upstream.count(key="done") == 1 and upstream.count(key="fresh") == 1
+    finally:
+        client.close()
+
+
 # ------------------------------------------------------------------------- the in-process replay cache
 
 

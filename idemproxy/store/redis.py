@@ -94,6 +94,17 @@ PIPELINES_IN_FLIGHT = 2  # pipelines on the wire at once; calls made meanwhile g
 # An epoch that is missing (never set, evicted, lost in a restart) is created anew by the next claim, never
 # read as "unchanged": a writer that read one and finds none (or another) does not write.
 #
+# GET, for the scripts below: a key of another type under one of our names (never one we wrote: ours are strings)
+# made GET, so the whole script, fail; Redis counted as failed, the breaker opened for every key, at each claim of
+# that key. Such a key is dropped and read as absent: the durable store still decides (PostgreSQL's claim), and a
+# lock or epoch dropped so only ever refuses (a duplicate asks PostgreSQL; a write fenced by the epoch does not land).
+_READ = """
+local function read(key)
+  local value = redis.pcall('GET', key)
+  if type(value) == 'table' and value.err then redis.call('DEL', key); return false end
+  return value
+end
+"""
 # KEYS: lock, response, epoch. ARGV: "token fingerprint lease-end-ms", lock ttl ms, a fresh epoch, epoch ttl ms.
 # Returns {"completed", payload, pttl} | {"in_flight", lock value, pttl, epoch} | {"acquired", epoch}.
 # ARGV[5], only when given: a copy that did not decode; dropped first if it is still the one cached (see
@@ -101,13 +112,13 @@ PIPELINES_IN_FLIGHT = 2  # pipelines on the wire at once; calls made meanwhile g
 # Idempotent: a client may send it again after a connection broke with the reply in flight (redis-py's cluster
 # client does so across a failover), and the lock it finds is then its own (the token is unique to this claim):
 # acquired, never a 409 against itself.
-_CLAIM = """
-local cached = redis.call('GET', KEYS[2])
+_CLAIM = _READ + """
+local cached = read(KEYS[2])
 if cached and cached == ARGV[5] then redis.call('DEL', KEYS[2]); cached = false end
 if cached then return {'completed', cached, redis.call('PTTL', KEYS[2])} end
-local epoch = redis.call('GET', KEYS[3])
+local epoch = read(KEYS[3])
 if not epoch then epoch = ARGV[3]; redis.call('SET', KEYS[3], epoch, 'PX', ARGV[4]) end
-local lock = redis.call('GET', KEYS[1])
+local lock = read(KEYS[1])
 if lock == ARGV[1] then return {'acquired', epoch} end
 if lock then return {'in_flight', lock, redis.call('PTTL', KEYS[1]), epoch} end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -121,10 +132,10 @@ return {'acquired', epoch}
 # memory (the copy's SET, when it came first: the script ended there, the lock left standing, a completed key
 # answering 409 until the lock expired); a DEL is allowed, and a script that has written goes on past the limit,
 # so the copy is written too.
-_SETTLE = """
-local lock = redis.call('GET', KEYS[1])
+_SETTLE = _READ + """
+local lock = read(KEYS[1])
 if lock and string.sub(lock, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
-if ARGV[2] ~= '' and redis.call('GET', KEYS[3]) == ARGV[6] then
+if ARGV[2] ~= '' and read(KEYS[3]) == ARGV[6] then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 end
 if ARGV[7] == '1' then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
