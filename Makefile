@@ -39,8 +39,12 @@ validate: $(STAMP)
 	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec docker-compose.yml
 	$(VENV)/bin/kubernetes-validate --strict --quiet deploy/k8s/*.yaml
 
+# Two pytest-xdist workers: most of the suite waits (on a store's timeout, a lease, a process starting), so two
+# halve its time even on a 2-core machine. Each worker starts its own throwaway servers and takes its own ports.
+PYTEST_WORKERS ?= 2
+
 pytest: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS)
 
 # The whole suite: lint, types, deployment files, then every test (real Redis/PostgreSQL started by the run
 # when none is configured).

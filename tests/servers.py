@@ -35,18 +35,31 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _xdist_worker() -> tuple[int, int]:
+    """(the number of pytest-xdist workers, this one's index); (1, 0) outside xdist."""
+    try:
+        return int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    except (KeyError, ValueError):
+        return 1, 0
+
+
 def free_port() -> int:
     """A port free now, for a server a test starts next, chosen below the kernel's ephemeral range.
 
     A port the kernel picked (a bind to port 0) comes from that range, and any outgoing connection (a client,
     a store pool) may take it before the server binds it: that failed a CI run with "address already in use".
-    Ports below the range are never handed to outgoing connections; each is handed out once per test run."""
+    Ports below the range are never handed to outgoing connections; each is handed out once per test run. Under
+    pytest-xdist each worker takes the ports of its own residue modulo the number of workers, so two workers never
+    pick the same port between one's check and its bind (a cluster's bus port, +10000, keeps the residue: the
+    worker count divides 10000 whenever it is 1, 2, 4, 5 or 8)."""
     low, _ = _ephemeral_range()
     bottom, top = max(1024, low - 20_000), low - 1
+    workers, worker = _xdist_worker()
     rng = random.SystemRandom()
     for _ in range(200 if top - bottom >= 1000 else 0):
         port = rng.randint(bottom, top)
-        if port in _HANDED_OUT:
+        port -= (port - worker) % workers  # (the nearest port at or below it of this worker's residue)
+        if port < bottom or port in _HANDED_OUT:
             continue
         with socket.socket() as sock:
             try:
