@@ -17,7 +17,7 @@ import redis as sync_redis
 from aiohttp.test_utils import TestServer
 
 from idemproxy.store import redis as redis_store
-from idemproxy.store.base import State, StoredResponse
+from idemproxy.store.base import Record, State, StoredResponse
 from idemproxy.store.codec import record_hash
 from idemproxy.store.redis import BREAKER_COOLDOWN, LOCK_MAX, YOUNG_LOCK, RedisFrontedStore, _decode, _encode
 from tests.conftest import ProxyFactory, RunningProxy
@@ -435,6 +435,38 @@ async def test_a_garbled_copy_is_answered_from_postgres_replaced_and_costs_no_ot
         assert upstream.count(key="bad") == 1 and upstream.count(key="held") == 1
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("storage", ["plain", "sealed"])
+async def test_a_copy_of_a_status_past_599_is_replayed_from_redis(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
+    storage: str,
+) -> None:
+    """An upstream may answer any three-digit status (aiohttp reads and writes 100-999; the record keeps it and a
+    replay from PostgreSQL gives it back). Its copy was taken for garbled (a status outside 100-599): each replay
+    logged an error, counted store_errors_total{redis,copy}, dropped the copy, took the lock, asked PostgreSQL and
+    wrote the same copy again, three scripts and a PostgreSQL round trip where one script does."""
+    sealed = {"encryption": {"key": "q83vEjRWeJq8/+7dzLuqmHZUMhBQzOEPzwpQJRfNq4A="}} if storage == "sealed" else {}
+    proxy = await make_proxy(storage_section={**section(clean_pg, redis_url, redis_prefix), "replay_memory": 0,
+                                              **sealed})
+    first, first_body = await proxy.post("/v1/charges", key="odd", body=CHARGE, headers={"X-Test-Status": "799"})
+    assert first.status == 799
+    before = durable(proxy).statements
+    for _ in range(3):
+        again, again_body = await proxy.post("/v1/charges", key="odd", body=CHARGE)
+        assert (again.status, again.headers["Idempotent-Replayed"], again_body) == (799, "true", first_body)
+    assert durable(proxy).statements == before  # answered by Redis alone
+    assert sample(proxy, "idemproxy_store_errors_total", backend="redis", operation="copy") == 0
+    assert upstream.count(key="odd") == 1
+
+
+def test_a_copy_of_every_status_an_upstream_may_answer_decodes() -> None:
+    now = time.time()
+    for status in range(100, 1000):
+        record = Record(tenant="t", key="k", fingerprint="f" * 64, state=State.COMPLETED, lease_token=None,
+                        lease_expires_at=None, response=StoredResponse(status=status, headers=(), body=b""),
+                        created_at=now, completed_at=now, expires_at=now + 60)
+        assert _decode("t", "k", _encode(record)).response == record.response
 
 
 @pytest.mark.parametrize("entry", ["garbage", "binary", "bad-deadline", "no-expiry", "binary-epoch"])

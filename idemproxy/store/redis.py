@@ -249,12 +249,13 @@ def _encode(record: Record, codec: Codec = PLAIN) -> bytes:
 def _decode(tenant: str, key: str, payload: bytes, codec: Codec = PLAIN) -> Record:
     """The record a copy holds; ValueError (or another of ``_GARBLED``) when it is not one this version wrote
     whole: a copy is replayed as it stands, so a status or header that could not be sent, or a time that is no
-    number, must not pass for one."""
+    number, must not pass for one. (Any three-digit status can be sent, and is stored: aiohttp reads an upstream's
+    100-999 and writes them back, so 600-999 are records like any other.)"""
     raw_head, _, body = payload.partition(b"\n")
     head = json.loads(raw_head)
     fingerprint, status, kept = head["f"], head["s"], head["b"]
     created, completed, expires = head["c"], head["d"], head["e"]
-    if (type(fingerprint) is not str or type(status) is not int or not 100 <= status <= 599
+    if (type(fingerprint) is not str or type(status) is not int or not 100 <= status <= 999
             or type(kept) is not bool or type(created) not in _NUMBER or type(expires) not in _NUMBER
             or (completed is not None and type(completed) not in _NUMBER)):
         raise ValueError("not a record's head")
