@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -469,6 +470,22 @@ def test_a_copy_of_every_status_an_upstream_may_answer_decodes() -> None:
         assert _decode("t", "k", _encode(record)).response == record.response
 
 
+async def _postgres_decides_and_redis_stays_in_use(proxy: RunningProxy, upstream: RecordingUpstream) -> None:
+    """After a Redis entry of key ``done`` (completed) and of ``fresh`` (new) was spoilt: the first replays, the
+    second executes once and replays, and Redis still serves another key (no breaker trip, no claim error)."""
+    for _ in range(3):
+        done, _ = await proxy.post("/v1/charges", key="done", body=CHARGE)
+        assert done.status == 201 and done.headers["Idempotent-Replayed"] == "true"
+    fresh = [(await proxy.post("/v1/charges", key="fresh", body=CHARGE))[0] for _ in range(3)]
+    assert [(r.status, r.headers["Idempotent-Replayed"]) for r in fresh] == [
+        (201, "false"), (201, "true"), (201, "true")]
+    used = sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim")
+    assert (await proxy.post("/v1/charges", key="other", body=CHARGE))[0].status == 201
+    assert sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim") > used
+    assert sample(proxy, "idemproxy_store_errors_total", backend="redis", operation="claim") == 0
+    assert upstream.count(key="done") == 1 and upstream.count(key="fresh") == 1
+
+
 @pytest.mark.parametrize("entry", ["garbage", "binary", "bad-deadline", "no-expiry", "binary-epoch"])
 async def test_a_lock_or_epoch_entry_idemproxy_never_writes_costs_neither_the_breaker_nor_a_409_for_ever(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str,
@@ -493,17 +510,7 @@ async def test_a_lock_or_epoch_entry_idemproxy_never_writes_costs_neither_the_br
                 client.set(epoch, value, px=600_000)
             else:
                 client.set(lock, value, px=None if entry == "no-expiry" else 8_000)
-        for _ in range(3):
-            done, _ = await proxy.post("/v1/charges", key="done", body=CHARGE)
-            assert done.status == 201 and done.headers["Idempotent-Replayed"] == "true"
-        fresh = [(await proxy.post("/v1/charges", key="fresh", body=CHARGE))[0] for _ in range(3)]
-        assert [(r.status, r.headers["Idempotent-Replayed"]) for r in fresh] == [
-            (201, "false"), (201, "true"), (201, "true")]
-        used = sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim")
-        assert (await proxy.post("/v1/charges", key="other", body=CHARGE))[0].status == 201
-        assert sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim") > used
-        assert sample(proxy, "idemproxy_store_errors_total", backend="redis", operation="claim") == 0
-        assert upstream.count(key="done") == 1 and upstream.count(key="fresh") == 1
+        await _postgres_decides_and_redis_stays_in_use(proxy, upstream)
     finally:
         client.close()
 
@@ -524,17 +531,7 @@ async def test_a_key_of_another_type_under_one_of_our_names_costs_no_other_key_i
             names = dict(zip(("lock", "copy", "epoch"), redis_keys(proxy, key), strict=True))
             client.delete(names["copy"], names[name])  # (the completed key's copy gone too: expired, evicted)
             client.rpush(names[name], b"not ours")
-        for _ in range(3):
-            done, _ = await proxy.post("/v1/charges", key="done", body=CHARGE)
-            assert done.status == 201 and done.headers["Idempotent-Replayed"] == "true"
-        fresh = [(await proxy.post("/v1/charges", key="fresh", body=CHARGE))[0] for _ in range(3)]
-        assert [(r.status, r.headers["Idempotent-Replayed"]) for r in fresh] == [
-            (201, "false"), (201, "true"), (201, "true")]
-        used = sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim")
-        assert (await proxy.post("/v1/charges", key="other", body=CHARGE))[0].status == 201
-        assert sample(proxy, "idemproxy_store_duration_seconds_count", backend="redis", operation="claim") > used
-        assert sample(proxy, "idemproxy_store_errors_total", backend="redis", operation="claim") == 0
-        assert upstream.count(key="done") == 1 and upstream.count(key="fresh") == 1
+        await _postgres_decides_and_redis_stays_in_use(proxy, upstream)
     finally:
         client.close()
 
@@ -564,15 +561,24 @@ async def test_a_hot_replay_needs_no_network(
     assert upstream.count(key="hot") == 1
 
 
-async def test_a_release_on_another_replica_evicts_the_copy(
-    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
-) -> None:
-    reader = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
-    releaser = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
+async def _two_replicas_a_copy_kept(
+    make_proxy: ProxyFactory, storage_section: dict[str, Any]
+) -> tuple[RunningProxy, RunningProxy, str]:
+    """A reader and a releaser on the same stores, the reader keeping a copy of key ``shared`` in memory; returns
+    them and the tenant."""
+    reader = await make_proxy(storage_section=storage_section)
+    releaser = await make_proxy(storage_section=storage_section)
     await until_live(reader)
     await reader.post("/v1/charges", key="shared", body=CHARGE)
     tenant = releaser.proxy.engine.resolve_tenant_value("Bearer t1")
     await until_kept(reader, tenant, "shared")
+    return reader, releaser, tenant
+
+
+async def test_a_release_on_another_replica_evicts_the_copy(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
+) -> None:
+    reader, releaser, tenant = await _two_replicas_a_copy_kept(make_proxy, section(clean_pg, redis_url, redis_prefix))
     assert await releaser.proxy.store.forget(tenant, "shared")  # the release is announced on Redis
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 3
@@ -590,12 +596,7 @@ async def test_a_message_on_the_channel_that_is_not_text_does_not_deafen_the_sub
     """Anything may publish on the channel (another program under the same prefix): one message that was not UTF-8
     ended the subscriber for good. Releases on other replicas then never reached this one's waiters, and its
     in-process replay cache stayed off until a restart."""
-    reader = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
-    releaser = await make_proxy(storage_section=section(clean_pg, redis_url, redis_prefix))
-    await until_live(reader)
-    await reader.post("/v1/charges", key="shared", body=CHARGE)
-    tenant = releaser.proxy.engine.resolve_tenant_value("Bearer t1")
-    await until_kept(reader, tenant, "shared")
+    reader, releaser, tenant = await _two_replicas_a_copy_kept(make_proxy, section(clean_pg, redis_url, redis_prefix))
     client = sync_redis.Redis.from_url(redis_url)
     try:
         client.publish(fronted(reader).channel, b"\xff\xfe not text")
