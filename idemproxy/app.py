@@ -95,6 +95,9 @@ class Proxy:
                                                ("embedded", storage.postgres is None)) if used}
         for backend in self._store_states:  # and idemproxy_store_up says the same: 0, not absent, until then
             self.metrics.store_up.labels(backend).set(0)
+            # Exported at 0 before the first one: a series that first appears at 1 has no increase() in
+            # Prometheus, so IdempotencyRecordsUnreadable would miss the first unreadable record of a backend.
+            self.metrics.records_unreadable.labels(backend)
         self._background: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         # set once the sweep at start has run (or failed): the store work of the start is over

@@ -120,3 +120,31 @@ def test_kubernetes_shapes_drain_and_are_locked_down(path: str) -> None:
     assert probe["periodSeconds"] * probe["failureThreshold"] < config.drain_delay  # seen before the port closes
     for other in (c for c in pod["containers"] if c is not proxy):  # a sidecar's app outlives the drain
         assert other["lifecycle"]["preStop"]["sleep"]["seconds"] >= config.drain_delay + config.shutdown_timeout
+
+
+@pytest.mark.parametrize("storage", [
+    {"embedded": {"path": "idemproxy.sqlite3"}},
+    {"postgres": {"dsn": "postgresql://u@db/idem"}},
+    {"postgres": {"dsn": "postgresql://u@db/idem"}, "redis": {"url": "redis://redis:6379/0"}},
+], ids=["embedded", "postgres", "postgres+redis"])
+def test_alerts_on_one_event_see_the_first_one(storage: dict[str, Any]) -> None:
+    """An alert that fires on any one event (`increase(...) > 0`, no `for`) needs its series exported at 0 before
+    that event: a series that first appears at 1 has no increase in Prometheus, so the first event (often the only
+    one) would never fire it. Each such counter is there, at 0, for every backend the proxy uses, before it serves."""
+    from idemproxy.app import Proxy
+    from idemproxy.config import load_config
+
+    proxy = Proxy(load_config({"upstream": {"url": "http://api:9000"}, "storage": storage}, env={}))
+    backends = {"postgres"} if "postgres" in storage else {"embedded"}
+    backends |= {"redis"} if "redis" in storage else set()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in proxy.metrics.render().decode().splitlines() if line and not line.startswith("#")}
+    on_one_event = [rule for rule in ALERTS if "for" not in rule and "increase(" in rule["expr"]]
+    assert {rule["alert"] for rule in on_one_event} >= {"IdempotencyRecordsUnreadable", "IdempotencyLeaseTakeovers"}
+    for rule in on_one_event:
+        for name in metric_names(rule["expr"]):
+            if "by (backend)" in rule["expr"]:
+                wanted = {f'{name}{{backend="{backend}"}}' for backend in backends}
+            else:
+                wanted = {name}
+            assert all(samples.get(series) == 0 for series in wanted), (rule["alert"], wanted - samples.keys())
