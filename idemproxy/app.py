@@ -25,7 +25,7 @@ from aiohttp.web_protocol import RequestHandler
 from idemproxy.admin import ADMIN_MARK, AdminAPI
 from idemproxy.config import Config, SecretURL, advisories, to_plain
 from idemproxy.engine import Engine
-from idemproxy.metrics import Metrics
+from idemproxy.metrics import REDIS_ERROR_ONLY_OPERATIONS, Metrics
 from idemproxy.problems import BadRequest, InvalidKey, Problem, StoreUnavailable, problem_middleware, render_problems
 from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upstreams
 from idemproxy.store import Store, build_store
@@ -98,6 +98,9 @@ class Proxy:
             # Exported at 0 before the first one: a series that first appears at 1 has no increase() in
             # Prometheus, so IdempotencyRecordsUnreadable would miss the first unreadable record of a backend.
             self.metrics.records_unreadable.labels(backend)
+        if storage.redis is not None:  # and so IdempotencyStoreErrors would miss the first of these (metrics.py)
+            for operation in REDIS_ERROR_ONLY_OPERATIONS:
+                self.metrics.store_errors.labels("redis", operation)
         self._background: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         # set once the sweep at start has run (or failed): the store work of the start is over

@@ -25,6 +25,12 @@ OUTCOMES = (
     "invalid_key", "missing_tenant", "body_too_large", "upstream_error", "store_error",
 )
 
+# Redis operations counted in idemproxy_store_errors_total only when they fail (never timed, so no success creates
+# their series): a lost subscription, a garbled replay-cache copy, a lock of a form idemproxy never writes, an
+# admin release's purge. Their series are exported at 0 from the start: one that first appears at 1 has no rate()
+# in Prometheus, and IdempotencyStoreErrors would miss its first error.
+REDIS_ERROR_ONLY_OPERATIONS = ("subscribe", "copy", "lock", "forget")
+
 
 class Metrics:
     """The metric set of one proxy."""
