@@ -45,6 +45,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see: {self.prog} --help)\n")
 
 
+# What TENANT is: the access log's `tenant` is the id, except with tenant.hash: false, where the id is the raw value
+# and the log shows only a hash of it (docs/operating.md, Logs).
+TENANT_IS = "the access log's tenant, or with tenant.hash: false the raw value, of which the log shows only a hash"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="idemproxy", description="Idempotency-Key semantics in front of any HTTP API."
@@ -68,13 +73,13 @@ def _parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser("keys", help="show or release one idempotency record via the admin API")
     keys.add_argument("action", choices=("show", "release"))
-    keys.add_argument("tenant", help="tenant id as the access log shows it (or the credential, with --credential)")
+    keys.add_argument("tenant", help=f"tenant id: {TENANT_IS}; or the credential, with --credential")
     keys.add_argument("key", help="the Idempotency-Key")
     keys.add_argument("--config", help="read the admin address and token from this file")
     keys.add_argument("--admin-url", help="e.g. http://127.0.0.1:9090 (default: from the config)")
     keys.add_argument("--token", help="admin token (default: admin.token, or $IDEMPROXY_ADMIN_TOKEN)")
     keys.add_argument("--credential", action="store_true",
-                      help="TENANT is the raw tenant header value; hash it as the proxy does")
+                      help="TENANT is the raw tenant header value; make the tenant id of it as the proxy does")
 
     sub.add_parser("gen-key", help="print a new storage.encryption key (base64 of 32 random bytes)")
 
@@ -233,8 +238,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
         except MissingTenant as exc:
             raise CLIError(f"--credential: {exc.detail}") from exc
     if not tenant or not args.key:  # no admin route matches /admin/keys/t/: its 404 would read as "API off"
-        raise CLIError("TENANT and KEY must not be empty (TENANT is the id the access log shows; KEY the "
-                       "Idempotency-Key as sent)")
+        raise CLIError(f"TENANT and KEY must not be empty (TENANT: {TENANT_IS}; KEY: the Idempotency-Key as "
+                       "sent)")
     from idemproxy.engine import parse_key  # (as tenant_id above)
 
     try:  # the key as the proxy reads the header: '"k"' (an sf-string) is the key k, its record k's
@@ -312,7 +317,7 @@ def _admin_refusal(status: int, body: bytes, admin_url: str) -> str:
     if status == 401:
         return "401: admin token refused: pass --token, or set admin.token or $IDEMPROXY_ADMIN_TOKEN"
     if problem.get("code") == "not_found":
-        return "404: no record for this tenant and key (TENANT is the id the access log shows; or use --credential)"
+        return f"404: no record for this tenant and key (TENANT: {TENANT_IS}; or use --credential)"
     return f"admin API answered {status}: {problem.get('detail', reason)}"
 
 

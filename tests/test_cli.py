@@ -654,6 +654,30 @@ async def test_keys_reads_key_as_the_idempotency_key_header_is_read(
     assert refused.returncode == 1 and refused.stderr.startswith("idemproxy: KEY: "), refused.stderr
 
 
+async def test_keys_hints_at_the_raw_tenant_where_the_access_log_shows_only_its_hash(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
+) -> None:
+    """With `tenant.hash: false` the tenant id is the raw value, and the access log shows only a hash of it, which is
+    not the id (docs/operating.md). `keys --help` and the 404 said TENANT is "the id the access log shows": an
+    operator who did so was told there was no record for a key that stood."""
+    from idemproxy.engine import short_hash
+
+    proxy = proxy_process({"upstream": {"url": upstream.url}, "admin": {"token": "s3cret"}, "tenant": {"hash": False},
+                           "storage": {"embedded": {"path": str(tmp_path / "raw.sqlite3")}}})
+    await proxy.start()
+    send = {"Authorization": "acct_1", "Idempotency-Key": "k-1"}
+    async with aiohttp.ClientSession() as session, session.post(proxy.url + "/v1/charges", headers=send) as resp:
+        assert resp.status == 201
+    admin = ("--admin-url", proxy.admin_url, "--token", "s3cret")
+    logged = await asyncio.to_thread(run_cli, "keys", "show", short_hash("acct_1"), "k-1", *admin)
+    assert logged.returncode == 1 and "tenant.hash: false" in logged.stderr, logged.stderr
+    assert "the raw" in logged.stderr, logged.stderr
+    raw = await asyncio.to_thread(run_cli, "keys", "show", "acct_1", "k-1", *admin)
+    assert raw.returncode == 0 and '"state": "completed"' in raw.stdout, raw.stderr
+    usage = " ".join(run_cli("keys", "--help").stdout.split())
+    assert "tenant.hash: false" in usage, usage
+
+
 async def test_keys_talks_to_the_admin_port_directly_whatever_http_proxy_says(
     upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
 ) -> None:
