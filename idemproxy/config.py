@@ -618,8 +618,13 @@ def _method(value: Any) -> str:
     return _token(value).upper()
 
 
-def _http_url(value: Any) -> str:
-    """An http(s) URL with a host (and a valid port, if any). Shown masked in errors: it may hold a password."""
+_UPSTREAM_CREDENTIALS = (", which are never sent upstream: remove them (the client's own headers, Authorization "
+                         "included, are passed on)")
+
+
+def _http_url(value: Any, credentials: str = _UPSTREAM_CREDENTIALS) -> str:
+    """An http(s) URL with a host (and a valid port, if any). Shown masked in errors: it may hold a password.
+    ``credentials`` says what to do instead of writing a user and password in it."""
     text = _str(value).strip()  # a trailing newline from a secret or a file is not part of it
     shown = repr(SecretURL(text).masked())
     if any(ord(char) <= 0x20 or ord(char) == 0x7F for char in text):
@@ -634,8 +639,7 @@ def _http_url(value: Any) -> str:
     if port == 0:
         raise _Invalid(f"{shown} has port 0")
     if parts.username is not None or parts.password is not None:
-        raise _Invalid(f"{shown} holds credentials, which are never sent upstream: remove them (the client's own "
-                       "headers, Authorization included, are passed on)")
+        raise _Invalid(f"{shown} holds credentials{credentials}")
     return text.rstrip("/")
 
 
@@ -649,9 +653,13 @@ def _upstream_url(value: Any) -> str:
     return url
 
 
+# tracing.endpoint is the OTLP collector's, not an upstream's: a collector that wants a token takes it as a header.
+_COLLECTOR_CREDENTIALS = ": give the collector's in OTEL_EXPORTER_OTLP_HEADERS (Authorization=...) instead"
+
+
 def _optional_http_url(value: Any) -> str:
     """An http(s) URL, or empty for "not set" (what ``${NAME:-}`` gives)."""
-    return "" if _str(value) == "" else _http_url(value)
+    return "" if _str(value) == "" else _http_url(value, _COLLECTOR_CREDENTIALS)
 
 
 def _redis_url(value: Any) -> SecretURL:

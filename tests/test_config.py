@@ -717,6 +717,11 @@ def test_tracing_is_off_by_default_and_configurable() -> None:
         ({"endpoint": "otel:4318"}, "tracing.endpoint: 'otel:4318' is not an http(s) URL"),
         ({"exporter": "console", "endpoint": "http://otel:4318"},
          "tracing.endpoint: is only used with exporter: otlp (not console)"),
+        # a collector's credentials go in OTEL_EXPORTER_OTLP_HEADERS (docs/operating.md); the collector is no
+        # "upstream" and the client's headers have nothing to do with it (the upstream URL's message said so)
+        ({"endpoint": "https://u:pw@otel:4318/v1/traces"},
+         "tracing.endpoint: 'https://u:***@otel:4318/v1/traces' holds credentials: give the collector's in "
+         "OTEL_EXPORTER_OTLP_HEADERS"),
     ],
 )
 def test_tracing_errors_name_the_key(tracing: dict[str, Any], expected: str) -> None:
