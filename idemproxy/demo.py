@@ -11,6 +11,7 @@ from aiohttp import web
 
 from idemproxy.app import AdminRunner, CannotListen, Proxy
 from idemproxy.config import load_config
+from idemproxy.problems import StoreUnavailable
 
 CHARGE_DELAY = 0.2  # seconds: slow enough that a double-submit visibly overlaps the first request
 
@@ -96,6 +97,20 @@ async def _listen(runner: web.BaseRunner, host: str, port: int, flag: str) -> No
                            f"{flag} N") from exc
 
 
+async def _set_up(runner: web.BaseRunner) -> None:
+    """Set a runner up (the proxy's opens its store); a store file that cannot be opened names --store, the demo's
+    flag for it, not the config key storage.embedded.path a demo user never wrote."""
+    try:
+        await runner.setup()
+    except StoreUnavailable as exc:
+        key = "storage.embedded.path: "
+        if not exc.detail.startswith(key):
+            raise
+        reason = exc.detail[len(key):].partition("; ")[0]
+        raise StoreUnavailable(f"--store: {reason}; give a file in a directory this process may write with "
+                               "--store FILE", maybe_applied=False) from exc
+
+
 async def run_api(port: int) -> None:
     """The sample payments API alone (the upstream of the docker compose stack)."""
     runner = web.AppRunner(payments_app(), access_log=None)
@@ -124,7 +139,7 @@ async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: s
                AdminRunner(proxy.admin_app(), access_log=None)]
     try:
         for runner, listen_port, flag in zip(runners, (port, admin_port), ("--port", "--admin-port"), strict=True):
-            await runner.setup()
+            await _set_up(runner)
             await _listen(runner, "127.0.0.1", listen_port, flag)
         print(instructions(port, admin_port), flush=True)
         await _until_signalled()

@@ -119,6 +119,20 @@ def test_a_port_in_use_or_out_of_range_names_the_flag_to_change(flag: str, tmp_p
         f"idemproxy demo: argument {flag}: 99999 is not a port (1..65535) (see: idemproxy demo --help)"]
 
 
+def test_a_store_that_cannot_be_opened_names_the_flag_to_change(tmp_path: Path) -> None:
+    # As a port: the demo has no config file, so "storage.embedded.path: ..." named a key the user never wrote;
+    # docs/contract.md: every CLI error names what to fix, "a flag by its name".
+    store = tmp_path / "no-such-dir" / "demo.sqlite3"
+    ports = [str(free_port()) for _ in range(3)]
+    result = subprocess.run([sys.executable, "-m", "idemproxy", "demo", "--port", ports[0], "--upstream-port",
+                             ports[1], "--admin-port", ports[2], "--store", str(store)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    line = result.stderr.splitlines()[-1]
+    assert line.startswith(f"idemproxy: --store: {str(store)!r} cannot be opened as the embedded store ("), line
+    assert "storage.embedded.path" not in result.stderr
+
+
 async def test_a_second_run_shows_the_printed_scenarios_again(tmp_path: Path) -> None:
     # The sample API forgets its charges when the demo stops, but the store kept its records (24 h) in the working
     # directory: on a second `make demo` step 1 answered "Idempotent-Replayed: true" (a charge the API no longer
