@@ -917,3 +917,35 @@ async def test_asterisk_target_is_a_problem_not_a_500(make_proxy: ProxyFactory, 
         "Content-Length: 0\r\nConnection: close\r\n\r\n")
     assert 400 <= status < 500
     assert upstream.executed == []
+
+
+async def test_the_access_lines_are_what_docs_operating_says(
+    make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/operating.md, Logs: the JSON line's fields are the ones it lists, and the text line is its example's
+    shape. The text line was said to be "the same line for people", and the alert table sent operators to "the
+    tenant in the access log", which the default text line does not hold: the doc says where the tenant is."""
+    from pathlib import Path
+
+    from idemproxy.engine import short_hash
+
+    doc = (Path(__file__).resolve().parent.parent / "docs/operating.md").read_text()
+    logs = doc.split("## Logs", 1)[1].split("\n## ", 1)[0]
+    json_part, text_part = logs.split("The\ndefault text format", 1)
+    fields = set(re.findall(r"`([a-z_]+)`", re.sub(r"\([^()]*\)", "", json_part.split(" with ", 1)[1])))
+    example = re.search(r"`(POST [^`]*<request id>)`", text_part)
+    assert example is not None, text_part
+    shape = re.escape(example.group(1)).replace(re.escape("3.1"), r"\d+\.\d").replace(
+        re.escape("<request id>"), "[0-9a-f]{32}")
+
+    proxy = await make_proxy("embedded", log={"access": "INFO"})
+    with caplog.at_level("INFO", logger="idemproxy.access"):
+        resp, _ = await proxy.post("/v1/charges", key="log-1", body={"amount": 1})
+    assert resp.status == 201
+    [record] = [r for r in caplog.records if r.name == "idemproxy.access"]
+    extras = {name for name in vars(record) if name not in vars(logging.makeLogRecord({}))} - {"message", "asctime"}
+    assert fields == extras, (fields, extras)
+    assert re.fullmatch(shape, record.getMessage()), (shape, record.getMessage())
+    tenant = vars(record)["tenant"]
+    assert tenant not in record.getMessage() and short_hash("log-1") not in record.getMessage()
+    assert "in the JSON line\nonly" in text_part or "in the JSON line only" in text_part, text_part
