@@ -147,9 +147,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from idemproxy.workers import run_workers
 
         return run_workers(config, sys.argv[1:])
-    from idemproxy.app import serve
+    from idemproxy.app import CannotListen, serve
 
-    _run(serve(config, reuse_port=args.reuse_port))
+    try:
+        _run(serve(config, reuse_port=args.reuse_port))
+    except CannotListen as exc:  # a port a flag gave is named by that flag, as a bad value of it is (_by_flag)
+        said = str(exc)
+        for section, flag in (("listen", args.port), ("admin", args.admin_port)):
+            keys = f"{section}.host / {section}.port: "
+            if flag is not None and said.startswith(keys):
+                name = "--port" if section == "listen" else "--admin-port"
+                said = f"{section}.host / {name} ({section}.port): {said[len(keys):]}"
+        raise CannotListen(said) from exc
     return 0
 
 

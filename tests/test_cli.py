@@ -231,6 +231,26 @@ def test_start_up_errors_name_the_setting_to_fix(tmp_path: Path) -> None:
         taken.close()
 
 
+@pytest.mark.parametrize(("flag", "section"), [("--port", "listen"), ("--admin-port", "admin")])
+def test_a_taken_port_given_by_a_flag_names_the_flag(flag: str, section: str, tmp_path: Path) -> None:
+    """docs/contract.md: every CLI error names what to fix, "a flag by its name". `serve --port N` with N taken
+    (no config file at all) said only "listen.host / listen.port: ...", keys nobody wrote; a bad value of the same
+    flag already says `--port (listen.port): ...`."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = {"--port": str(free_port()), "--admin-port": str(free_port()), flag: str(busy)}
+        flags = [item for pair in ports.items() for item in pair]
+        # (no file: the embedded store at its default path, in the test's own directory)
+        result = run_cli("serve", "--upstream", "http://127.0.0.1:1", *flags, cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    host = "0.0.0.0" if section == "listen" else "127.0.0.1"  # (the defaults: no file)
+    assert last == (f"idemproxy: {section}.host / {flag} ({section}.port): cannot listen on {host}:{busy} "
+                    "(address already in use)"), result.stderr
+
+
 def test_migrate_with_postgres_unreachable_is_one_line(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     port = free_port()
