@@ -84,6 +84,17 @@ def test_the_container_config_is_valid() -> None:
     assert config.admin.host == "0.0.0.0"  # Prometheus and the HEALTHCHECK reach it
 
 
+def test_the_container_config_says_which_variables_it_reads() -> None:
+    """The image's config is documented only by its own header: it said "every value can be set from the
+    environment", though most (ports, log format, in_flight...) cannot. It names each variable it reads."""
+    text = (ROOT / "deploy/docker/config.yaml").read_text()
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    body = text[len(header):] if text.startswith(header) else text
+    read = set(re.findall(r"\$\{([A-Z_]+)", body))
+    assert read and read == set(re.findall(r"\b(IDEMPROXY_[A-Z_]+)", header)), (read, header)
+    assert "every value" not in header
+
+
 @pytest.mark.parametrize("path", ["deploy/k8s/gateway.yaml", "deploy/k8s/sidecar.yaml"])
 def test_kubernetes_configmaps_hold_valid_configs(path: str) -> None:
     from idemproxy.config import load_config
