@@ -17,7 +17,9 @@ COPY deploy/docker/config.yaml /etc/idemproxy/config.yaml
 WORKDIR /var/lib/idemproxy
 USER 10001:10001
 EXPOSE 8080 9090
+# Straight to the admin port, never through $http_proxy (Docker sets it in containers from the client's proxy
+# settings; the proxy would be asked for 127.0.0.1:9090).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:9090/healthz', timeout=2).status != 200)"]
+    CMD ["python", "-c", "import sys, urllib.request as u; sys.exit(u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:9090/healthz', timeout=2).status != 200)"]
 ENTRYPOINT ["idemproxy"]
 CMD ["serve", "--config", "/etc/idemproxy/config.yaml"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +192,41 @@ def test_store_errors_counted_only_when_they_happen_are_exported_before_the_firs
     for operation in operations:
         labels = {"backend": "redis", "operation": operation}
         assert registry.get_sample_value("idemproxy_store_errors_total", labels) == 0, operation
+
+
+def test_the_image_healthcheck_reaches_the_admin_port_directly(tmp_path: Path) -> None:
+    """The Dockerfile's HEALTHCHECK asks /healthz with urllib, which goes through $http_proxy when one is set; Docker
+    sets it in every container from the client's proxy settings (~/.docker/config.json), and then the check asked
+    the corporate proxy for 127.0.0.1:9090 and the container went unhealthy. (`idemproxy keys` had the same fault.)"""
+    import http.server
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    line = next(line for line in (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+                if line.startswith("HEALTHCHECK"))
+    command = json.loads(line.split(" CMD ", 1)[1])
+    assert command[:2] == ["python", "-c"] and "127.0.0.1:9090/healthz" in command[2], command
+    server = http.server.HTTPServer(("127.0.0.1", 0), Healthz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with socket.socket() as dead:  # a proxy that refuses every connection
+        dead.bind(("127.0.0.1", 0))
+        proxy = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        try:
+            script = command[2].replace("127.0.0.1:9090", f"127.0.0.1:{server.server_port}")
+            env = {**os.environ, "http_proxy": proxy, "HTTP_PROXY": proxy, "no_proxy": "", "NO_PROXY": ""}
+            result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                    timeout=30, cwd=tmp_path)
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert result.returncode == 0, result.stderr
