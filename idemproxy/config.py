@@ -569,12 +569,27 @@ def _forwarded_header(value: Any) -> str:
     return name
 
 
+# Headers with a meaning of their own in a request or an answer, which this hop or the upstream writes: a replay
+# marker or request id under one of these names would replace it (request_id.header: Host sent the id nowhere
+# upstream and wrote a Host header into every answer; Content-Type replaced the upstream's).
+_MEANINGFUL = frozenset({
+    "host", "date", "server", "location", "set-cookie", "forwarded", "x-forwarded-for",
+    "x-forwarded-proto", "x-forwarded-host", "traceparent", "tracestate", "retry-after", "vary", "etag",
+    "cache-control", "expires", "age", "last-modified",
+})
+
+
 def _response_header(value: Any) -> str:
     """A header name this hop writes into every response (the replay marker, the request id): never one that
-    frames the message, or the answer would carry two framings, or one that is not its body's."""
+    frames the message, or the answer would carry two framings, or one that is not its body's; nor one with a
+    meaning of its own that it would replace."""
     name = _token(value)
-    if name.lower() in HOP_BY_HOP or name.lower() == "content-length":
+    lowered = name.lower()
+    if lowered in HOP_BY_HOP or lowered == "content-length":
         raise _Invalid(f"{value!r} frames the HTTP message (this hop writes it): name another header")
+    if lowered in _MEANINGFUL or lowered.startswith("content-"):
+        raise _Invalid(f"{value!r} has a meaning of its own in requests or answers, which this header would "
+                       "replace: name another header")
     return name
 
 

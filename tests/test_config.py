@@ -957,6 +957,19 @@ def test_a_header_the_proxy_writes_into_responses_cannot_be_a_framing_header(sec
                               "header"]
 
 
+@pytest.mark.parametrize("name", ["Host", "Content-Type", "content-encoding", "Date", "Server", "Set-Cookie",
+                                  "X-Forwarded-For", "traceparent", "Location", "Retry-After"])
+@pytest.mark.parametrize("section", ["idempotency.replay_header", "request_id.header"])
+def test_a_header_the_proxy_writes_into_responses_cannot_be_one_with_a_meaning_of_its_own(section: str,
+                                                                                         name: str) -> None:
+    # Named Host, the request id reached no upstream (Host names it) and every answer carried a Host header; named
+    # Content-Type, the id (or "true") replaced the upstream's content type in every answer. Refused, naming the key.
+    key, _, field = section.rpartition(".")
+    assert errors_of({"upstream": UP, key: {field: name}}) == [
+        f"{section}: {name!r} has a meaning of its own in requests or answers, which this header would replace: "
+        "name another header"]
+
+
 def test_the_replay_header_cannot_be_the_request_id_header() -> None:
     # Both written into every response: the request id overwrote the replay marker, which silently vanished.
     assert errors_of({"upstream": UP, "idempotency": {"replay_header": "X-Request-Id"}}) == [
