@@ -8,6 +8,9 @@ can stall it. Every method is thread-safe and returns once the relay's loop has 
                  one as soon as it is accepted: a network partition as the peers see it (EOF / reset).
 - ``stall()``    keeps connections open but forwards nothing, and accepts new ones without connecting them
                  to the target: a black hole, for timeouts. ``restore()`` lets the held bytes flow again.
+- ``linger()``   bytes flow both ways, but a target that closes its end (a server ending the session after
+                 its last word, a FATAL) is not seen to close by the client until ``restore()``: the client
+                 has read the server's goodbye while its socket still looks open.
 - ``restore()``  back to forwarding.
 - ``close()``    closes everything and stops the thread.
 """
@@ -57,13 +60,15 @@ class Relay:
         self.port = 0
         self.accepted = 0  # connections accepted while forwarding (counted in the relay's loop)
         self.refused = 0  # connections accepted and closed at once while cut
-        self._mode = "open"  # open | cut | stalled | muted
+        self._mode = "open"  # open | cut | stalled | muted | lingering
         self._links: set[_Link] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()  # every stream opened, aborted at shutdown
         self._server: asyncio.Server | None = None
         self._flowing: asyncio.Event | None = None
         self._answering: asyncio.Event | None = None  # clear while muted: the target's bytes are held
+        self._closes: asyncio.Event | None = None  # clear while lingering: a target's end of file is held
+        self.lingering = 0  # targets that closed while lingering (their end of file held back from the client)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"relay-{name}", daemon=True)
         self._thread.start()
@@ -85,6 +90,10 @@ class Relay:
         """Requests go on reaching the target, its answers are held (until ``restore``): the target did the
         work, and its client waits for a reply that comes late, if ever."""
         self._call(self._mute())
+
+    def linger(self) -> None:
+        """Bytes go on flowing; a target's end of file is held back from its client (until ``restore``)."""
+        self._call(self._linger())
 
     def restore(self) -> None:
         self._call(self._restore())
@@ -130,6 +139,8 @@ class Relay:
         self._flowing.set()
         self._answering = asyncio.Event()
         self._answering.set()
+        self._closes = asyncio.Event()
+        self._closes.set()
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
@@ -141,6 +152,8 @@ class Relay:
         assert self._flowing is not None and self._answering is not None
         self._flowing.set()  # held pumps wake up, see their transports gone and end
         self._answering.set()
+        assert self._closes is not None
+        self._closes.set()
         self._abort_all()
 
     async def _stall(self) -> None:
@@ -153,11 +166,17 @@ class Relay:
         assert self._answering is not None
         self._answering.clear()
 
+    async def _linger(self) -> None:
+        self._mode = "lingering"
+        assert self._closes is not None
+        self._closes.clear()
+
     async def _restore(self) -> None:
         self._mode = "open"
-        assert self._flowing is not None and self._answering is not None
+        assert self._flowing is not None and self._answering is not None and self._closes is not None
         self._flowing.set()
         self._answering.set()
+        self._closes.set()
 
     async def _shutdown(self) -> None:
         self._mode = "cut"
@@ -216,7 +235,7 @@ class Relay:
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answers: bool = False) -> None:
         """Copy one direction until EOF or an error; EOF is passed on as a half-close. ``answers``: the target's
         direction, held while muted."""
-        assert self._flowing is not None and self._answering is not None
+        assert self._flowing is not None and self._answering is not None and self._closes is not None
         try:
             while data := await reader.read(CHUNK):
                 await self._flowing.wait()
@@ -226,6 +245,9 @@ class Relay:
                     return
                 writer.write(data)
                 await writer.drain()
+            if answers and not self._closes.is_set():
+                self.lingering += 1
+                await self._closes.wait()
             if writer.can_write_eof() and not writer.transport.is_closing():
                 writer.write_eof()
         except (OSError, RuntimeError):

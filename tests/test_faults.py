@@ -850,3 +850,69 @@ async def test_a_completion_is_announced_only_when_a_route_waits(
     resp, _ = await proxy.post("/v1/charges", key="released", body=CHARGE, headers={"X-Test-Status": "503"})
     assert resp.status == 503
     assert redis_publishes(running_redis) - before == 1
+
+
+# ------------------------------------------------- the server ends pooled sessions: nothing sent, nothing failed
+
+
+async def end_sessions(dsn: str) -> int:
+    """pg_terminate_backend of every other session on ``dsn``'s database (idle pooled connections, LISTEN): what
+    an operator, a failover script or a pooler recycling connections does. Returns how many were ended."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"))
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("backend", ["postgres", "redis"])
+@pytest.mark.parametrize("partitions", ["daily", "none"])
+async def test_pooled_connections_the_server_ended_while_idle_fail_no_request(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, pg_one_table_dsn: str, redis_url: str,
+    redis_prefix: str, backend: str, partitions: str,
+) -> None:
+    """The server ends the pool's idle sessions (pg_terminate_backend, idle_session_timeout, a restart); the driver
+    has read the server's goodbye but not yet seen the socket close. Such a connection refuses a statement before
+    sending any of it: the operation runs on another connection, and the next requests (the claims, batched or
+    one statement each, and the completions) are served, not answered 503 (audit: one 503 per ended session)."""
+    dsn = clean_pg if partitions == "daily" else await empty_records(pg_one_table_dsn)
+    parts = urlsplit(dsn)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        section = pg_section(via(relay, dsn))
+        section["postgres"]["partitions"] = partitions
+        if backend == "redis":
+            section["redis"] = {"url": redis_url, "key_prefix": redis_prefix}
+        proxy = await make_proxy(storage_section=section)
+        for round_ in range(2):  # several pooled connections, some kept aside by batches
+            answers = await asyncio.gather(*(proxy.post("/v1/charges", key=f"warm-{round_}-{n}", body=CHARGE)
+                                             for n in range(6)))
+            assert [resp.status for resp, _ in answers] == [201] * 6
+        relay.linger()
+        ended = await end_sessions(dsn)
+        assert ended >= 2
+        await until(lambda: relay.lingering >= ended)  # every goodbye reached the proxy; no socket closed yet
+        for n in range(3):
+            resp, body = await proxy.post("/v1/charges", key=f"after-{n}", body=CHARGE)
+            assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false", (resp.status, body)
+        answers = await asyncio.gather(*(proxy.post("/v1/charges", key=f"after-many-{n}", body=CHARGE)
+                                         for n in range(6)))
+        assert [resp.status for resp, _ in answers] == [201] * 6
+        relay.restore()
+        # The completion: its claim's connection, kept aside for the next batch, is ended while the upstream works.
+        pending = asyncio.ensure_future(proxy.post("/v1/charges", key="mid", body=CHARGE,
+                                                   headers={"X-Test-Delay": "0.3"}))
+        await until(lambda: upstream.count(key="mid") == 1)
+        before = relay.lingering
+        relay.linger()
+        ended = await end_sessions(dsn)
+        await until(lambda: relay.lingering >= before + ended)
+        resp, _ = await pending
+        assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+        relay.restore()
+    # nothing failed: no 503, and no completion left for the settle loop to retry
+    assert store_errors(proxy, "claim") == 0 and store_errors(proxy, "complete") == 0
+    for key in [f"after-{n}" for n in range(3)] + [f"after-many-{n}" for n in range(6)] + ["mid"]:
+        assert upstream.count(key=key) == 1
+

@@ -121,6 +121,22 @@ async def test_stall_holds_bytes_until_restore(echo: Echo) -> None:
             assert await asyncio.wait_for(reader.readexactly(3), 5) == b"two"
 
 
+
+async def test_linger_passes_the_targets_last_bytes_and_holds_its_close_until_restore(echo: Echo) -> None:
+    with Relay("127.0.0.1", echo.port, name="echo") as relay:
+        async with connected(relay.port) as (reader, writer):
+            assert await round_trip(reader, writer, b"one") == b"one"
+            relay.linger()
+            writer.write(b"bye")
+            writer.write_eof()  # the echo answers and closes its end
+            await writer.drain()
+            assert await asyncio.wait_for(reader.readexactly(3), 5) == b"bye"
+            await wait_for(lambda: relay.lingering == 1)  # its close came and is held
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.3)
+            relay.restore()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+
 async def test_relays_a_large_stream_with_half_close_intact(echo: Echo) -> None:
     payload = bytes(range(256)) * 8192  # 2 MiB
     with Relay("127.0.0.1", echo.port, name="echo") as relay:

@@ -503,6 +503,15 @@ def _claim_statement(calls: list[_ClaimCall]) -> tuple[str, list[Any]]:
     return _P_CLAIM_MANY, [list(column) for column in zip(*calls, strict=True)]
 
 
+async def _claimed(conn: Any, statement: str, *args: Any) -> Any:
+    """The one-statement claim's row (``PostgresStore._claim``, as it runs it), run again on another connection."""
+    for _ in range(5):  # see the race described at _CLAIM
+        row = await conn.fetchrow(statement, *args)
+        if row is not None:
+            return row
+    raise StoreUnavailable("The idempotency store could not settle a claim.")
+
+
 def _epoch(value: datetime | None) -> float | None:
     return value.timestamp() if value is not None else None
 
@@ -528,6 +537,27 @@ def _record(row: Any, codec: Codec) -> Record:
         completed_at=_epoch(row["completed_at"]),
         expires_at=row["expires_at"].timestamp(),
     )
+
+
+class _Unsent(StoreUnavailable):
+    """A pooled connection the server had ended while it sat idle (pg_terminate_backend, idle_session_timeout, a
+    restart or failover, a pooler recycling it): the driver had read the server's goodbye, not yet the socket's
+    close, and refused the operation before sending any of it. Nothing reached the server: the operation may run
+    again on another connection (``PostgresStore._again``)."""
+
+    def __init__(self, detail: str = "The idempotency store (PostgreSQL) is unavailable.") -> None:
+        super().__init__(detail, maybe_applied=False)  # (a detail: the batcher copies it for each caller)
+
+
+def _unsent(exc: BaseException) -> bool:
+    """Whether the driver refused an operation before writing any of it, its connection already dead: the
+    protocol left mid-state by a message the server sent unasked (its FATAL goodbye), or the connection
+    closed. (A connection that failed after its statement was written is never one: that statement may have been
+    applied, its reply lost.)"""
+    if isinstance(exc, asyncpg.InternalClientError):
+        said = str(exc)
+        return said.startswith("cannot switch to state") or said == "not connected"
+    return isinstance(exc, asyncpg.InterfaceError) and str(exc).endswith("connection is closed")
 
 
 def _unavailable(
@@ -1062,6 +1092,10 @@ class PostgresStore(Store):
             if isinstance(exc, _DATA_ERRORS) and operation == "claim":  # the request's own key or tenant
                 raise StoreRejected("The idempotency key or tenant cannot be stored.") from exc
             if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
+                if _unsent(exc):
+                    log.info("postgres %s: a pooled connection the server had ended was discarded before use (%s)",
+                             operation, exc)
+                    raise _Unsent() from exc
                 raise _unavailable(operation, exc, quiet=self._opening_quietly(operation)) from exc
             raise
         if spare and len(self._spares) < self._max_spares and not self._waiting and not self._closing.is_set():
@@ -1113,6 +1147,20 @@ class PostgresStore(Store):
         follow_up(self._returning, self._pool.release(conn, timeout=OPERATION_TIMEOUT),
                   "giving a connection back to the pool")
 
+    async def _again(self, operation: str, run: Callable[[Any], Awaitable[T]], *, spare: bool = False) -> T:
+        """``run`` an operation again, on another connection: its first was found dead before anything of it was
+        sent (``_Unsent``). Only on that failure branch, never on the normal path. A dead connection is discarded
+        as it is found, and the pool holds at most ``pool_max`` (those kept aside included), so that many tries
+        reach a new one even when the server ended them all at once; a failure of any other kind is final."""
+        for tries_left in range(self.config.pool_max, 0, -1):
+            try:
+                async with self._connection(operation, spare=spare) as conn:
+                    return await run(conn)
+            except _Unsent:
+                if tries_left == 1:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _change(self, operation: str, statement: str, *args: Any) -> bool:
         """Run a fenced write; True when it changed the record (and then woke LISTENing waiters)."""
         announce = self.listen and (self.announcing or operation != "complete")
@@ -1122,8 +1170,12 @@ class PostgresStore(Store):
             notify = notify or (None, None)
         else:
             sql = _counted(statement, len(args), announce)
-        async with self._conn(operation) as conn:
-            changed: int = await conn.fetchval(sql, *args, *notify)
+        async with self.measured(operation):
+            try:
+                async with self._connection(operation) as conn:
+                    changed: int = await conn.fetchval(sql, *args, *notify)
+            except _Unsent:  # nothing was sent: the same statement on another connection
+                changed = await self._again(operation, lambda conn: conn.fetchval(sql, *args, *notify))
         return changed == 1
 
     async def claim(
@@ -1163,12 +1215,23 @@ class PostgresStore(Store):
             try:
                 # the pool's wait and the statement share the 5 s: a claim that got the last connection late must
                 # not then wait a whole statement timeout more
-                async with asyncio.timeout(OPERATION_TIMEOUT), self._connection("claim") as conn:
-                    sent = True
-                    for _ in range(5):  # see the race described at _CLAIM
-                        row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
-                        if row is not None:
-                            return row
+                async with asyncio.timeout(OPERATION_TIMEOUT):
+                    try:
+                        async with self._connection("claim") as conn:
+                            sent = True
+                            for _ in range(5):  # see the race described at _CLAIM
+                                row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
+                                if row is not None:
+                                    return row
+                    except _Unsent:  # nothing was sent: the claim on another connection
+                        sent = False
+
+                        def again(conn: Any) -> Awaitable[Any]:
+                            nonlocal sent
+                            sent = True
+                            return _claimed(conn, statement, tenant, key, fingerprint, token, lease, ttl)
+
+                        return await self._again("claim", again)
             except TimeoutError as exc:  # (the connection, interrupted, was discarded by _connection)
                 raise _unavailable("claim", exc, maybe_applied=sent) from exc
         raise StoreUnavailable("The idempotency store could not settle a claim.")
@@ -1188,8 +1251,11 @@ class PostgresStore(Store):
         whole: each call is then sent alone, so only that one fails."""
         statement, arguments = statement_for(calls)
         try:
-            async with self._connection(operation, spare=True) as conn:
-                rows = await conn.fetch(statement, *arguments)
+            try:
+                async with self._connection(operation, spare=True) as conn:
+                    rows = await conn.fetch(statement, *arguments)
+            except _Unsent:  # nothing of the batch was sent: the batch on another connection
+                rows = await self._again(operation, lambda conn: conn.fetch(statement, *arguments), spare=True)
         except (StoreRejected, StoreUnavailable) as exc:
             if len(calls) == 1 or not isinstance(exc.__cause__, _DATA_ERRORS):
                 raise
@@ -1250,8 +1316,12 @@ class PostgresStore(Store):
         return await self._change("release", _RELEASE, claim.record.tenant, claim.record.key, claim.token)
 
     async def get(self, tenant: str, key: str) -> Record | None:
-        async with self._conn("get") as conn:
-            row = await conn.fetchrow(_GET, tenant, key)
+        async with self.measured("get"):
+            try:
+                async with self._connection("get") as conn:
+                    row = await conn.fetchrow(_GET, tenant, key)
+            except _Unsent:  # nothing was sent: the read on another connection
+                row = await self._again("get", lambda conn: conn.fetchrow(_GET, tenant, key))
         return _record(row, self.codec) if row is not None else None
 
     async def forget(self, tenant: str, key: str) -> bool:
@@ -1310,8 +1380,12 @@ class PostgresStore(Store):
 
     async def health(self) -> Health:
         try:
-            async with self._conn("ping") as conn:
-                await conn.fetchval("SELECT 1")
+            async with self.measured("ping"):
+                try:
+                    async with self._connection("ping") as conn:
+                        await conn.fetchval("SELECT 1")
+                except _Unsent:  # a pooled connection the server had ended is no sign the server is away
+                    await self._again("ping", lambda conn: conn.fetchval("SELECT 1"))
         except StoreUnavailable:
             return Health(ready=False, details={"postgres": "unavailable"})
         return Health(ready=True, details={"postgres": "ok"})
