@@ -916,3 +916,36 @@ async def test_pooled_connections_the_server_ended_while_idle_fail_no_request(
     for key in [f"after-{n}" for n in range(3)] + [f"after-many-{n}" for n in range(6)] + ["mid"]:
         assert upstream.count(key=key) == 1
 
+
+
+async def test_listen_outlives_a_session_the_server_ended_while_idle(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
+) -> None:
+    """PostgreSQL alone: the server ends the LISTEN session (pg_terminate_backend, idle_session_timeout) and its
+    sign of life is asked after the driver read the goodbye, before the socket's close: the driver refuses it with
+    an error of its own (not an interface or server error). The listener took that for fatal and stopped for good:
+    no LISTEN again until a restart, waiters polled and the replay cache stayed off."""
+    parts = urlsplit(clean_pg)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        proxy = await make_proxy(storage_section=pg_section(via(relay, clean_pg)),
+                                 idempotency={"in_flight": "wait", "wait_timeout": "8s"})
+        store = durable(proxy)
+        await until(store.notifications_live)
+        ended_listener = store._listener
+        relay.linger()
+        ended = await end_sessions(clean_pg)
+        await until(lambda: relay.lingering >= ended)
+        task = store._listen_task
+        assert task is not None
+        # its next sign of life (within LISTEN_PING) finds the connection ended
+        await until(lambda: store._listener is not ended_listener or task.done())
+        relay.restore()
+        await until(store.notifications_live)
+        assert not task.done()
+        owner = asyncio.ensure_future(proxy.post("/v1/charges", key="woken", body=CHARGE,
+                                                 headers={"X-Test-Delay": "0.3"}))
+        await until(lambda: upstream.count(key="woken") == 1)
+        waiter, _ = await proxy.post("/v1/charges", key="woken", body=CHARGE)
+        assert waiter.status == 201 and waiter.headers["Idempotent-Replayed"] == "true"
+        assert (await owner)[0].status == 201
+    assert upstream.count(key="woken") == 1

@@ -1005,7 +1005,7 @@ class PostgresStore(Store):
         while not self._closing.is_set():
             try:
                 conn = await asyncpg.connect(self.config.dsn.reveal(), timeout=OPERATION_TIMEOUT)
-            except _DB_ERRORS as exc:
+            except Exception as exc:  # whatever it is, the listener goes on: one stopped for good is worse
                 log.warning("LISTEN connection failed (%s); wait mode looks again (up to every 1 s) until it is "
                             "back", type(exc).__name__)
             else:
@@ -1034,14 +1034,17 @@ class PostgresStore(Store):
                 # gets them at the end of each of its transactions, before the answer.
                 await conn.fetchval("SELECT 1", timeout=LISTEN_PING)
                 self._heard = time.monotonic()
-        except _DB_ERRORS as exc:
+        # Not only the driver's interface and the server's errors: a session the server ended while idle has the
+        # driver refuse the next statement with an error of its own (InternalClientError, its protocol left
+        # mid-state by the goodbye), which stopped the listener for good.
+        except Exception as exc:
             log.warning("LISTEN failed (%s)", type(exc).__name__)
         finally:
             self._heard = float("-inf")
             self._listener = None
             try:
                 await asyncio.wait_for(conn.close(timeout=2), 3)
-            except _DB_ERRORS:
+            except Exception:
                 conn.terminate()  # (a stalled link does not answer a polite close)
         if not self._closing.is_set():
             log.warning("LISTEN connection lost; re-establishing it")
