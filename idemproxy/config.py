@@ -577,17 +577,37 @@ _MEANINGFUL = frozenset({
     "x-forwarded-proto", "x-forwarded-host", "traceparent", "tracestate", "retry-after", "vary", "etag",
     "cache-control", "expires", "age", "last-modified",
 })
+# Headers only a proxy may write, about the client's hop (the upstream trusts this proxy, so it believes them):
+# dropped from what a client sent unless it came through a trusted proxy (``forged_by_client``).
+FORGED_NAMES = frozenset(("forwarded", "x-real-ip", "x-original-url", "x-rewrite-url"))
+
+
+def forged_by_client(name: str) -> bool:
+    """A header only a proxy may write, about the client's hop: the upstream trusts this proxy, so it believes
+    every such header this proxy passes on. RFC 7239's Forwarded, X-Real-IP, and the whole X-Forwarded-* family
+    (-Proto, -Host, -Port, -Prefix, -Ssl, -Scheme... which frameworks read) in any spelling (CGI/WSGI servers
+    read an underscore as a hyphen: X_Forwarded_Host is HTTP_X_FORWARDED_HOST). X-Forwarded-For itself is kept
+    and appended to, as the contract says. Also X-Original-URL and X-Rewrite-URL, by which a rewriting proxy in
+    front tells some frameworks the path it was asked for: from a client, a path other than the one this proxy
+    routed (a covered route reached through an uncovered one)."""
+    lowered = name.lower()
+    if lowered == "x-forwarded-for":
+        return False
+    folded = lowered.replace("_", "-")
+    return folded.startswith("x-forwarded-") or folded in FORGED_NAMES
 
 
 def _response_header(value: Any) -> str:
     """A header name this hop writes into every response (the replay marker, the request id): never one that
     frames the message, or the answer would carry two framings, or one that is not its body's; nor one with a
-    meaning of its own that it would replace."""
+    meaning of its own that it would replace. Nor one the upstream believes as this hop's word about the client
+    (X-Forwarded-*, X-Real-IP, X-Original-URL...): a client's well-formed request id is kept and sent upstream
+    under this name, past the drop of those headers from what the client sent."""
     name = _token(value)
     lowered = name.lower()
     if lowered in HOP_BY_HOP or lowered == "content-length":
         raise _Invalid(f"{value!r} frames the HTTP message (this hop writes it): name another header")
-    if lowered in _MEANINGFUL or lowered.startswith("content-"):
+    if lowered in _MEANINGFUL or lowered.startswith("content-") or forged_by_client(lowered):
         raise _Invalid(f"{value!r} has a meaning of its own in requests or answers, which this header would "
                        "replace: name another header")
     return name

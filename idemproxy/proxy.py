@@ -31,7 +31,7 @@ from idemproxy.client import (
     UpstreamResponse,
     UpstreamUnrelayable,
 )
-from idemproxy.config import HOP_BY_HOP, Config, IPNetwork, RouteConfig, UpstreamConfig
+from idemproxy.config import HOP_BY_HOP, Config, IPNetwork, RouteConfig, UpstreamConfig, forged_by_client
 from idemproxy.problems import (
     BadRequest,
     ClientGone,
@@ -104,24 +104,6 @@ _NOT_FORWARDED = ("host", "expect")
 _CONTENT_LENGTH = ("content-length",)
 
 
-_FORGED_NAMES = frozenset(("forwarded", "x-real-ip", "x-original-url", "x-rewrite-url"))
-
-
-def _forged(name: str) -> bool:
-    """A header only a proxy may write, about the client's hop: the upstream trusts this proxy, so it believes
-    every such header this proxy passes on. RFC 7239's Forwarded, X-Real-IP, and the whole X-Forwarded-* family
-    (-Proto, -Host, -Port, -Prefix, -Ssl, -Scheme... which frameworks read) in any spelling (CGI/WSGI servers
-    read an underscore as a hyphen: X_Forwarded_Host is HTTP_X_FORWARDED_HOST). X-Forwarded-For itself is kept
-    and appended to, as the contract says. Also X-Original-URL and X-Rewrite-URL, by which a rewriting proxy in
-    front tells some frameworks the path it was asked for: from a client, a path other than the one this proxy
-    routed (a covered route reached through an uncovered one)."""
-    lowered = name.lower()
-    if lowered == "x-forwarded-for":
-        return False
-    folded = lowered.replace("_", "-")
-    return folded.startswith("x-forwarded-") or folded in _FORGED_NAMES
-
-
 def hop_by_hop(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
     """The standard hop-by-hop names plus every name listed in ``Connection``."""
     listed = headers.getall("Connection", ())
@@ -154,7 +136,7 @@ def upstream_request_headers(
 
     X-Forwarded-Proto/-Host sent by a trusted proxy (``forwarded.trusted_proxies``) describe the client's
     original request and pass through; from anyone else they could be forged, so this hop sets them, and drops
-    every other header an upstream could read the client's hop from (``_forged``).
+    every other header an upstream could read the client's hop from (``forged_by_client``).
     """
     # What came in, hop-by-hop headers gone: an X-Forwarded-* the client named in Connection is not passed on,
     # nor appended to.
@@ -163,7 +145,7 @@ def upstream_request_headers(
     if not trusted:
         names = " ".join(headers.keys()).lower()  # (one search in C first: most requests carry none)
         if "forwarded" in names or "real" in names or "url" in names:
-            for name in [name for name in headers.keys() if _forged(name)]:
+            for name in [name for name in headers.keys() if forged_by_client(name)]:
                 headers.popall(name, None)
     remote = request.remote or ""
     forwarded_for = ", ".join([*headers.getall("X-Forwarded-For", ()), remote])

@@ -970,6 +970,21 @@ def test_a_header_the_proxy_writes_into_responses_cannot_be_one_with_a_meaning_o
         "name another header"]
 
 
+@pytest.mark.parametrize("name", ["X-Forwarded-Prefix", "X-Forwarded-Port", "x-forwarded-ssl", "X_Forwarded_Host",
+                                  "X-Real-IP", "X-Original-URL", "X-Rewrite-URL"])
+@pytest.mark.parametrize("section", ["idempotency.replay_header", "request_id.header"])
+def test_a_header_the_proxy_writes_cannot_be_one_the_upstream_believes_about_the_clients_hop(section: str,
+                                                                                            name: str) -> None:
+    # A well-formed incoming request id is kept and sent upstream under request_id.header, after the headers only a
+    # proxy may write (the X-Forwarded-* family, X-Real-IP, X-Original-URL...) were dropped from the client's: named
+    # X-Forwarded-Prefix or X-Real-IP, the id header let any client write them (a prefix the upstream builds its
+    # redirects from, the address it rate-limits by), which the docs said was refused with the whole X-Forwarded-*.
+    key, _, field = section.rpartition(".")
+    assert errors_of({"upstream": UP, key: {field: name}}) == [
+        f"{section}: {name!r} has a meaning of its own in requests or answers, which this header would replace: "
+        "name another header"]
+
+
 def test_the_replay_header_cannot_be_the_request_id_header() -> None:
     # Both written into every response: the request id overwrote the replay marker, which silently vanished.
     assert errors_of({"upstream": UP, "idempotency": {"replay_header": "X-Request-Id"}}) == [
