@@ -572,10 +572,10 @@ def _forwarded_header(value: Any) -> str:
 # Headers with a meaning of their own in a request or an answer, which this hop or the upstream writes: a replay
 # marker or request id under one of these names would replace it (request_id.header: Host sent the id nowhere
 # upstream and wrote a Host header into every answer; Content-Type replaced the upstream's).
+# (Forwarded and the X-Forwarded-* family but -For: ``forged_by_client``, below.)
 _MEANINGFUL = frozenset({
-    "host", "date", "server", "location", "set-cookie", "forwarded", "x-forwarded-for",
-    "x-forwarded-proto", "x-forwarded-host", "traceparent", "tracestate", "retry-after", "vary", "etag",
-    "cache-control", "expires", "age", "last-modified",
+    "host", "date", "server", "location", "set-cookie", "x-forwarded-for", "traceparent", "tracestate",
+    "retry-after", "vary", "etag", "cache-control", "expires", "age", "last-modified",
 })
 # Headers only a proxy may write, about the client's hop (the upstream trusts this proxy, so it believes them):
 # dropped from what a client sent unless it came through a trusted proxy (``forged_by_client``).
