@@ -1220,7 +1220,8 @@ def load_config(
         request_id=loader.section(RequestIdConfig, "request_id", raw.get("request_id")),
         tracing=loader.section(TracingConfig, "tracing", raw.get("tracing")),
         drain_delay=_top_value(loader, raw, "drain_delay", parse_duration, 5.0),
-        shutdown_timeout=_top_value(loader, raw, "shutdown_timeout", parse_duration, 30.0),
+        # (zero would cut every in-flight request and pending completion at once: executed answers never stored)
+        shutdown_timeout=_top_value(loader, raw, "shutdown_timeout", _positive_duration, 30.0),
         workers=_top_value(loader, raw, "workers", _int(1, 256), 1),
     )
     _cross_checks(loader, config)

@@ -123,6 +123,8 @@ def test_sizes(text: Any, size: int) -> None:
          "routes[0].upstream.timeout: '0s' is not a duration above zero"),
         ({"upstream": UP, "idempotency": {"settle_timeout": 0}},
          "idempotency.settle_timeout: 0 is not a duration above zero"),
+        # zero cut every in-flight request and pending completion at shutdown: executed answers never stored
+        ({"upstream": UP, "shutdown_timeout": "0s"}, "shutdown_timeout: '0s' is not a duration above zero"),
         ({"upstream": UP, "routes": [{"prefix": "/a", "wait_timeout": "0s"}]},
          "routes[0].wait_timeout: '0s' is not a duration above zero"),
         # YAML's .nan and .inf are numbers: nan passed every comparison, so `timeout: .nan` made every forward a
