@@ -504,7 +504,7 @@ def _claim_statement(calls: list[_ClaimCall]) -> tuple[str, list[Any]]:
 
 
 async def _claimed(conn: Any, statement: str, *args: Any) -> Any:
-    """The one-statement claim's row (``PostgresStore._claim``, as it runs it), run again on another connection."""
+    """The one-statement claim's row (``PostgresStore._claim``)."""
     for _ in range(5):  # see the race described at _CLAIM
         row = await conn.fetchrow(statement, *args)
         if row is not None:
@@ -543,7 +543,7 @@ class _Unsent(StoreUnavailable):
     """A pooled connection the server had ended while it sat idle (pg_terminate_backend, idle_session_timeout, a
     restart or failover, a pooler recycling it): the driver had read the server's goodbye, not yet the socket's
     close, and refused the operation before sending any of it. Nothing reached the server: the operation may run
-    again on another connection (``PostgresStore._again``)."""
+    again on another connection (``PostgresStore._live``)."""
 
     def __init__(self, detail: str = "The idempotency store (PostgreSQL) is unavailable.") -> None:
         super().__init__(detail, maybe_applied=False)  # (a detail: the batcher copies it for each caller)
@@ -1150,17 +1150,17 @@ class PostgresStore(Store):
         follow_up(self._returning, self._pool.release(conn, timeout=OPERATION_TIMEOUT),
                   "giving a connection back to the pool")
 
-    async def _again(self, operation: str, run: Callable[[Any], Awaitable[T]], *, spare: bool = False) -> T:
-        """``run`` an operation again, on another connection: its first was found dead before anything of it was
-        sent (``_Unsent``). Only on that failure branch, never on the normal path. A dead connection is discarded
-        as it is found, and the pool holds at most ``pool_max`` (those kept aside included), so that many tries
-        reach a new one even when the server ended them all at once; a failure of any other kind is final."""
-        for tries_left in range(self.config.pool_max, 0, -1):
+    async def _live(self, operation: str, run: Callable[[Any], Awaitable[T]], *, spare: bool = False) -> T:
+        """``run`` an operation on a pooled connection; on another one when that was found dead before anything of
+        the operation was sent (``_Unsent``). A dead connection is discarded as it is found, and the pool holds at
+        most ``pool_max`` (those kept aside included), so that many more tries reach a new one even when the
+        server ended them all at once; a failure of any other kind is final."""
+        for tries_left in range(self.config.pool_max, -1, -1):
             try:
                 async with self._connection(operation, spare=spare) as conn:
                     return await run(conn)
             except _Unsent:
-                if tries_left == 1:
+                if not tries_left:
                     raise
         raise AssertionError("unreachable")
 
@@ -1174,11 +1174,7 @@ class PostgresStore(Store):
         else:
             sql = _counted(statement, len(args), announce)
         async with self.measured(operation):
-            try:
-                async with self._connection(operation) as conn:
-                    changed: int = await conn.fetchval(sql, *args, *notify)
-            except _Unsent:  # nothing was sent: the same statement on another connection
-                changed = await self._again(operation, lambda conn: conn.fetchval(sql, *args, *notify))
+            changed: int = await self._live(operation, lambda conn: conn.fetchval(sql, *args, *notify))
         return changed == 1
 
     async def claim(
@@ -1219,25 +1215,19 @@ class PostgresStore(Store):
                 # the pool's wait and the statement share the 5 s: a claim that got the last connection late must
                 # not then wait a whole statement timeout more
                 async with asyncio.timeout(OPERATION_TIMEOUT):
-                    try:
-                        async with self._connection("claim") as conn:
-                            sent = True
-                            for _ in range(5):  # see the race described at _CLAIM
-                                row = await conn.fetchrow(statement, tenant, key, fingerprint, token, lease, ttl)
-                                if row is not None:
-                                    return row
-                    except _Unsent:  # nothing was sent: the claim on another connection
-                        sent = False
 
-                        def again(conn: Any) -> Awaitable[Any]:
-                            nonlocal sent
-                            sent = True
-                            return _claimed(conn, statement, tenant, key, fingerprint, token, lease, ttl)
+                    async def attempt(conn: Any) -> Any:
+                        nonlocal sent
+                        sent = True
+                        try:
+                            return await _claimed(conn, statement, tenant, key, fingerprint, token, lease, ttl)
+                        except Exception as exc:
+                            sent = not _unsent(exc)  # (refused before it was written: the next try decides)
+                            raise
 
-                        return await self._again("claim", again)
+                    return await self._live("claim", attempt)
             except TimeoutError as exc:  # (the connection, interrupted, was discarded by _connection)
                 raise _unavailable("claim", exc, maybe_applied=sent) from exc
-        raise StoreUnavailable("The idempotency store could not settle a claim.")
 
     async def _refresh_layout(self) -> None:
         before = self.layout
@@ -1254,11 +1244,7 @@ class PostgresStore(Store):
         whole: each call is then sent alone, so only that one fails."""
         statement, arguments = statement_for(calls)
         try:
-            try:
-                async with self._connection(operation, spare=True) as conn:
-                    rows = await conn.fetch(statement, *arguments)
-            except _Unsent:  # nothing of the batch was sent: the batch on another connection
-                rows = await self._again(operation, lambda conn: conn.fetch(statement, *arguments), spare=True)
+            rows = await self._live(operation, lambda conn: conn.fetch(statement, *arguments), spare=True)
         except (StoreRejected, StoreUnavailable) as exc:
             if len(calls) == 1 or not isinstance(exc.__cause__, _DATA_ERRORS):
                 raise
@@ -1320,11 +1306,7 @@ class PostgresStore(Store):
 
     async def get(self, tenant: str, key: str) -> Record | None:
         async with self.measured("get"):
-            try:
-                async with self._connection("get") as conn:
-                    row = await conn.fetchrow(_GET, tenant, key)
-            except _Unsent:  # nothing was sent: the read on another connection
-                row = await self._again("get", lambda conn: conn.fetchrow(_GET, tenant, key))
+            row = await self._live("get", lambda conn: conn.fetchrow(_GET, tenant, key))
         return _record(row, self.codec) if row is not None else None
 
     async def forget(self, tenant: str, key: str) -> bool:
@@ -1383,12 +1365,8 @@ class PostgresStore(Store):
 
     async def health(self) -> Health:
         try:
-            async with self.measured("ping"):
-                try:
-                    async with self._connection("ping") as conn:
-                        await conn.fetchval("SELECT 1")
-                except _Unsent:  # a pooled connection the server had ended is no sign the server is away
-                    await self._again("ping", lambda conn: conn.fetchval("SELECT 1"))
+            async with self.measured("ping"):  # (a pooled connection the server had ended: no sign it is away)
+                await self._live("ping", lambda conn: conn.fetchval("SELECT 1"))
         except StoreUnavailable:
             return Health(ready=False, details={"postgres": "unavailable"})
         return Health(ready=True, details={"postgres": "ok"})
