@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import urllib.error
@@ -113,6 +114,23 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in pairs.items() if value is not None}
 
 
+class ReaderGone(Exception):
+    """Whoever read this command's output stopped reading it (``idemproxy keys show ... | head -1``)."""
+
+
+def emit(text: str) -> None:
+    """A command's output, on stdout. A reader that stops early ends the command quietly, as it ends `cat` or `git
+    log` (killed by SIGPIPE): no error line, no traceback, and the status a shell reports for them (``main``)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit, and would say "Exception ignored ... BrokenPipeError": whatever is
+        # still buffered goes nowhere instead.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise ReaderGone from None
+
+
 def _run(coro: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop
@@ -164,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args.file)
-    sys.stdout.write(dump_yaml(config))
+    emit(dump_yaml(config))
     for note in advisories(config):
         print(f"idemproxy: warning: {note}", file=sys.stderr)
     return 0
@@ -185,7 +203,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         assert config.storage.postgres is not None
         applied, shape = await apply_migrations(config.storage.postgres)
         partitions = "daily partitions" if shape == "daily" else "one table"
-        print(f"schema up to date (applied: {applied or 'none'}; records: {partitions})")
+        emit(f"schema up to date (applied: {applied or 'none'}; records: {partitions})\n")
 
     _run(run())
     return 0
@@ -196,7 +214,7 @@ def cmd_gen_key(_args: argparse.Namespace) -> int:
     from idemproxy.store.codec import key_id
 
     key = secrets.token_bytes(STORE_KEY_BYTES)
-    print(base64.b64encode(key).decode())
+    emit(base64.b64encode(key).decode() + "\n")
     print(f"key id {key_id(key).hex()} (what sealed records and logs name; not secret)", file=sys.stderr)
     return 0
 
@@ -260,7 +278,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
         admin_url + path, method="GET" if args.action == "show" else "DELETE",
         headers={"Authorization": f"Bearer {token}"},
     )
-    print(json.dumps(_admin_call(request, admin_url), indent=2))
+    emit(json.dumps(_admin_call(request, admin_url), indent=2) + "\n")
     return 0
 
 
@@ -356,6 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except ReaderGone:  # 141: what a shell reports for `cat` or `git log` in its place (killed by SIGPIPE)
+        return 128 + signal.SIGPIPE
     except Exception as exc:
         from idemproxy.store.embedded import StoreLocked
 

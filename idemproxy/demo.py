@@ -10,6 +10,7 @@ import textwrap
 from aiohttp import web
 
 from idemproxy.app import AdminRunner, CannotListen, Proxy
+from idemproxy.cli import emit
 from idemproxy.config import load_config
 from idemproxy.problems import StoreUnavailable
 
@@ -116,7 +117,7 @@ async def run_api(port: int) -> None:
     runner = web.AppRunner(payments_app(), access_log=None)
     await runner.setup()
     await _listen(runner, "0.0.0.0", port, "--upstream-port")
-    print(f"sample payments API on :{port}", flush=True)
+    emit(f"sample payments API on :{port}\n")
     try:
         await _until_signalled()
     finally:
@@ -141,7 +142,7 @@ async def run_demo(port: int, upstream_port: int, admin_port: int, store_path: s
         for runner, listen_port, flag in zip(runners, (port, admin_port), ("--port", "--admin-port"), strict=True):
             await _set_up(runner)
             await _listen(runner, "127.0.0.1", listen_port, flag)
-        print(instructions(port, admin_port), flush=True)
+        emit(instructions(port, admin_port) + "\n")
         await _until_signalled()
     finally:
         for runner in runners:

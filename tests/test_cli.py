@@ -730,6 +730,58 @@ async def test_keys_talks_to_the_admin_port_directly_whatever_http_proxy_says(
     assert seen == []
 
 
+def into_a_closed_pipe(*args: str, unbuffered: bool = True) -> subprocess.CompletedProcess[str]:
+    """The CLI with its stdout a pipe nobody reads any more (``idemproxy ... | head -1``, once head has exited)."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "idemproxy", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=60, env=env)
+    finally:
+        os.close(write)
+
+
+READER_GONE = 128 + signal.SIGPIPE  # what a shell reports for `cat big | head -1`'s cat
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+@pytest.mark.parametrize("command", ["check-config", "gen-key", "demo"])
+def test_output_cut_by_its_reader_ends_quietly(command: str, unbuffered: bool, tmp_path: Path) -> None:
+    """`idemproxy check-config FILE | head -1` ended on "idemproxy: [Errno 32] Broken pipe" and exit 1 (or, with
+    stdout buffered, Python's "Exception ignored ... BrokenPipeError" and exit 120): a config said invalid, to a
+    `set -o pipefail` script, because its reader had seen enough."""
+    config = tmp_path / "c.yaml"
+    config.write_text("upstream: {url: http://127.0.0.1:9000}\n")
+    args = {"check-config": ("check-config", str(config)), "gen-key": ("gen-key",),
+            "demo": ("demo", "--port", str(free_port()), "--upstream-port", str(free_port()), "--admin-port",
+                     str(free_port()))}[command]
+    result = into_a_closed_pipe(*args, unbuffered=unbuffered)
+    said = result.stderr if command != "demo" else "".join(  # (the demo logs its start: its store's warning)
+        line for line in result.stderr.splitlines(keepends=True) if not line.startswith("embedded store "))
+    assert (result.returncode, said) == (READER_GONE, ""), result
+
+
+async def test_keys_output_cut_by_its_reader_ends_quietly(
+    upstream: RecordingUpstream, proxy_process: Callable[..., ProxyProcess], tmp_path: Path
+) -> None:
+    proxy = proxy_process({"upstream": {"url": upstream.url}, "admin": {"token": "s3cret"}, "log": {"access": "off"},
+                           "storage": {"embedded": {"path": str(tmp_path / "p.sqlite3")}}})
+    await proxy.start()
+    send = {"Authorization": "Bearer t1", "Idempotency-Key": "k-1"}
+    async with aiohttp.ClientSession() as session, session.post(proxy.url + "/v1/charges", headers=send) as resp:
+        assert resp.status == 201
+    admin = ("--credential", "--admin-url", proxy.admin_url, "--token", "s3cret")
+    for action in ("show", "release"):
+        result = await asyncio.to_thread(into_a_closed_pipe, "keys", action, "Bearer t1", "k-1", *admin)
+        assert (result.returncode, result.stderr) == (READER_GONE, ""), result
+    # (the release was made: only its answer went unread)
+    gone = await asyncio.to_thread(run_cli, "keys", "show", "Bearer t1", "k-1", *admin)
+    assert gone.returncode == 1 and "no record" in gone.stderr, gone.stderr
+
+
 def test_gen_key_prints_a_key_the_config_accepts() -> None:
     import base64
 
