@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the proxy")
-    serve.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    serve.add_argument("--config", type=_config_path, help="YAML config file (default: built-in defaults)")
     serve.add_argument("--upstream", help="upstream URL (overrides upstream.url)")
     serve.add_argument("--port", type=int, help="proxy port (overrides listen.port)")
     serve.add_argument("--admin-port", type=int, help="admin port (overrides admin.port)")
@@ -67,17 +67,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
 
     check = sub.add_parser("check-config", help="validate a config file and print it, secrets masked")
-    check.add_argument("file")
+    check.add_argument("file", type=_config_path)
 
     migrate = sub.add_parser("migrate", help="create or upgrade the PostgreSQL schema")
-    migrate.add_argument("--config", required=True)
+    migrate.add_argument("--config", type=_config_path, required=True)
 
     keys = sub.add_parser("keys", help="show or release one idempotency record via the admin API")
     keys.add_argument("action", choices=("show", "release"))
     keys.add_argument("tenant", help=f"tenant id: {TENANT_IS}; or the credential, with --credential")
     keys.add_argument("key", help="the Idempotency-Key")
-    keys.add_argument("--config", help="read the admin address and token from this file")
-    keys.add_argument("--admin-url", help="e.g. http://127.0.0.1:9090 (default: from the config)")
+    keys.add_argument("--config", type=_config_path, help="read the admin address and token from this file")
+    keys.add_argument("--admin-url", type=_admin_url, help="e.g. http://127.0.0.1:9090 (default: from the config)")
     keys.add_argument("--token", help="admin token (default: admin.token, or $IDEMPROXY_ADMIN_TOKEN)")
     keys.add_argument("--credential", action="store_true",
                       help="TENANT is the raw tenant header value; make the tenant id of it as the proxy does")
@@ -93,6 +93,21 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--api-only", action="store_true",
                       help="run only the sample payments API, on 0.0.0.0 (for docker compose)")
     return parser
+
+
+def _config_path(text: str) -> str:
+    """A config file's path. An empty one (``--config "$CONFIG"`` with CONFIG unset) names no file: it was read as
+    the current directory ("cannot read the file (Is a directory)", naming no file), or, for keys, ignored."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give the path of a YAML config file")
+    return text
+
+
+def _admin_url(text: str) -> str:
+    """An empty --admin-url was ignored for the default, then blamed: "... not reachable; check --admin-url"."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give the proxy's admin port, such as http://127.0.0.1:9090")
+    return text
 
 
 def _port(text: str) -> int:

@@ -539,6 +539,14 @@ async def test_workers_signalled_as_a_process_group_drain_once_and_exit_at_once_
         (("frobnicate",), "idemproxy: argument command: invalid choice: 'frobnicate'"),
         (("check-config",), "idemproxy check-config: the following arguments are required: file"),
         (("serve", "--bogus"), "idemproxy: unrecognized arguments: --bogus"),
+        # an empty path (`--config "$CONFIG"`, CONFIG unset) was read as the current directory: "invalid
+        # configuration: : cannot read the file (Is a directory)", naming no file; keys ignored it, and --admin-url
+        (("serve", "--config", ""), "idemproxy serve: argument --config: is empty; give the path of a YAML config"),
+        (("check-config", ""), "idemproxy check-config: argument file: is empty; give the path of a YAML config"),
+        (("migrate", "--config", ""), "idemproxy migrate: argument --config: is empty; give the path"),
+        (("keys", "show", "t", "k", "--config", ""), "idemproxy keys: argument --config: is empty; give the path"),
+        (("keys", "show", "t", "k", "--admin-url", ""), "idemproxy keys: argument --admin-url: is empty; give the "
+                                                        "proxy's admin port"),
     ],
 )
 def test_a_usage_error_is_one_line(args: tuple[str, ...], expected: str) -> None:
