@@ -197,6 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args.file)
+    require(config.tracing)  # what `serve` refuses at start (the otel extra missing) is no valid config here either
     emit(dump_yaml(config))
     for note in advisories(config):
         print(f"idemproxy: warning: {note}", file=sys.stderr)

@@ -1038,3 +1038,44 @@ def test_an_api_key_in_a_collector_url_is_masked_like_a_token(name: str, tmp_pat
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["tracing"]["endpoint"] == (
         f"https://otel.example:4318/v1/traces?{name}=***&region=eu")
+
+
+# Imported by Python at start from the first sys.path entry that has it: OpenTelemetry as if never installed.
+_WITHOUT_OTEL = """
+import sys
+
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "opentelemetry":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Absent())
+"""
+
+
+@pytest.mark.parametrize("exporter", ["otlp", "console", "none"])
+def test_check_config_refuses_tracing_enabled_without_opentelemetry_as_serve_does(
+    tmp_path: Path, exporter: str
+) -> None:
+    """`check-config` passed `tracing.enabled: true` without the otel extra installed, and `serve` then refused to
+    start on it: a config checked in CI failed at the deploy."""
+    (tmp_path / "sitecustomize.py").write_text(_WITHOUT_OTEL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parent.parent)])}
+    config = tmp_path / "c.yaml"
+    said = []
+    for command in (["check-config", str(config)], ["serve", "--config", str(config)]):
+        for enabled in ("true", "false"):
+            config.write_text(f"upstream: {{url: http://127.0.0.1:9000}}\n"
+                              f"tracing: {{enabled: {enabled}, exporter: {exporter}}}\n")
+            if enabled == "false" and command[0] == "serve":
+                continue  # (it would serve)
+            result = subprocess.run([sys.executable, "-m", "idemproxy", *command], capture_output=True, text=True,
+                                    timeout=60, env=env, cwd=tmp_path)
+            if enabled == "false":  # off: nothing of OpenTelemetry is needed
+                assert result.returncode == 0 and result.stderr == "", result
+                continue
+            assert result.returncode == 1 and result.stdout == "", result
+            said.append(result.stderr)
+    assert said[0] == said[1] == ("idemproxy: tracing.enabled needs OpenTelemetry, which is not installed "
+                                  "(opentelemetry): pip install 'idemproxy[otel]'\n")
