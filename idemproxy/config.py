@@ -997,6 +997,7 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         overrides = dict(item)
         prefix = overrides.pop("prefix", None)
         enabled_raw = overrides.pop("enabled", True)
+        own_upstream = "upstream" in overrides
         upstream_raw = overrides.pop("upstream", None)
         if loader.failed(f"{path}.prefix"):  # an unset ${NAME}: that is its error
             prefix = "/"
@@ -1016,8 +1017,9 @@ def _routes(loader: _Loader, raw: Any, defaults: IdempotencyConfig) -> tuple[Rou
         enabled = loader.parse(f"{path}.enabled", _bool, enabled_raw, True)
         idem = loader.section(IdempotencyConfig, path, overrides, base=defaults, also_known=_ROUTE_OWN_KEYS)
         upstream = None
-        if upstream_raw is not None:
-            upstream = loader.section(UpstreamConfig, f"{path}.upstream", upstream_raw)
+        if own_upstream:
+            upstream = _switch(loader, UpstreamConfig, f"{path}.upstream", upstream_raw,
+                               f"give its url, or remove {path}.upstream for the top-level upstream")
             if not (upstream.url or loader.failed(f"{path}.upstream.url") or loader.refused(f"{path}.upstream")):
                 loader.error(f"{path}.upstream.url", "is required when a route names its own upstream")
         routes.append(RouteConfig(prefix=prefix, enabled=enabled, idempotency=idem, upstream=upstream))
@@ -1035,12 +1037,17 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
     for key in raw:
         if key not in known:
             loader.error(f"storage.{_key_name(key)}", f"unknown key (known: {', '.join(known)})")
-    redis = None
+    redis = postgres = None
     if "redis" in raw:
-        redis = loader.section(RedisConfig, "storage.redis", raw["redis"] or {})
-    postgres = None
+        redis = _switch(loader, RedisConfig, "storage.redis", raw["redis"],
+                        "give its url, or remove storage.redis to run without Redis")
     if "postgres" in raw:
-        postgres = loader.section(PostgresConfig, "storage.postgres", raw["postgres"] or {})
+        postgres = _switch(loader, PostgresConfig, "storage.postgres", raw["postgres"],
+                           "give its dsn, or remove storage.postgres for the embedded store")
+    compression = None
+    if "compression" in raw:
+        compression = _switch(loader, CompressionConfig, "storage.compression", raw["compression"],
+                              "write `compression: {}` for its defaults, or remove it to store responses as they are")
     on_error = loader.parse("storage.on_store_error", _choice("fail_closed", "fail_open"),
                             raw.get("on_store_error", "fail_closed"), "fail_closed")
     return StorageConfig(
@@ -1049,22 +1056,28 @@ def _storage(loader: _Loader, raw: Any) -> StorageConfig:
         postgres=postgres,
         on_store_error=cast(Literal["fail_closed", "fail_open"], on_error),
         pending_settles=loader.section(PendingSettlesConfig, "storage.pending_settles", raw.get("pending_settles")),
-        compression=_optional(loader, CompressionConfig, "storage.compression", raw),
+        compression=compression,
         encryption=_encryption(loader, raw),
         replay_memory=_top_value(loader, raw, "replay_memory", parse_size, 16 * 1024 * 1024, "storage."),
     )
 
 
-def _optional(loader: _Loader, cls: type[T], path: str, raw: dict[str, Any]) -> T | None:
-    """A section that is off unless present (``compression: {}`` turns it on with its defaults)."""
-    name = path.rpartition(".")[2]
-    return loader.section(cls, path, raw[name] or {}) if name in raw else None
+def _switch(loader: _Loader, cls: type[T], path: str, value: Any, fix: str) -> T:
+    """A section that turns something on by being there, with its defaults for what it leaves out (``redis: {}``
+    is Redis at 127.0.0.1:6379). Written with no value (YAML's null, as when every key under it is commented out)
+    it is refused, saying how to ``fix`` it: read as ``{}``, a commented-out url turned on a Redis nobody named.
+    Neither is ``false`` a way to turn it off (it was read as ``{}`` too): anything but a mapping is refused."""
+    if value is None:
+        loader.error(path, f"has no value (is every key under it commented out?): {fix}")
+        return cls()
+    return loader.section(cls, path, value)
 
 
 def _encryption(loader: _Loader, raw: dict[str, Any]) -> EncryptionConfig | None:
-    config = _optional(loader, EncryptionConfig, "storage.encryption", raw)
-    if config is None:
+    if "encryption" not in raw:
         return None
+    # (written with no value: refused below, as storage.encryption.key is then missing)
+    config = loader.section(EncryptionConfig, "storage.encryption", raw["encryption"] or {})
     # Without a key but with previous_keys, new values are stored in clear and old sealed ones still open:
     # the way to turn encryption off without losing the records it sealed.
     given = raw["encryption"] or {}
@@ -1368,7 +1381,7 @@ def _plain(value: Any) -> Any:
         return str(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # A section that is off (storage.redis, .postgres, .compression, .encryption) is left out, as a route's
-        # own upstream is: written back as `null`, the loader would read it as on with its defaults.
+        # own upstream is: written back as `null`, the loader would refuse it.
         return {
             ("from" if f.name == "from_" else f.name): _plain_field(f.name, getattr(value, f.name))
             for f in fields(value) if getattr(value, f.name) is not None

@@ -1040,6 +1040,41 @@ def test_an_api_key_in_a_collector_url_is_masked_like_a_token(name: str, tmp_pat
         f"https://otel.example:4318/v1/traces?{name}=***&region=eu")
 
 
+
+@pytest.mark.parametrize(("section", "written", "expected"), [
+    ("storage.redis", "storage:\n  postgres: {dsn: 'postgresql://db/idem'}\n  redis:\n    # url: redis://cache:6379/0\n",
+     "storage.redis: has no value (is every key under it commented out?): give its url, or remove storage.redis "
+     "to run without Redis"),
+    ("storage.postgres", "storage:\n  postgres:\n    # dsn: postgresql://db/idem\n",
+     "storage.postgres: has no value (is every key under it commented out?): give its dsn, or remove "
+     "storage.postgres for the embedded store"),
+    ("storage.compression", "storage:\n  compression:\n    # min_size: 4KiB\n",
+     "storage.compression: has no value (is every key under it commented out?): write `compression: {}` for its "
+     "defaults, or remove it to store responses as they are"),
+    ("routes[0].upstream", "routes:\n  - prefix: /v1/payouts\n    upstream:\n      # url: http://payouts:9000\n",
+     "routes[0].upstream: has no value (is every key under it commented out?): give its url, or remove "
+     "routes[0].upstream for the top-level upstream"),
+    ("storage.compression", "storage: {compression: false}\n",
+     "storage.compression: a boolean, not a mapping (the value is not shown)"),
+    ("storage.redis", "storage: {postgres: {dsn: 'postgresql://db/idem'}, redis: '${REDIS_URL:-}'}\n",
+     "storage.redis: a string, not a mapping (the value is not shown)"),
+])
+def test_a_section_that_turns_something_on_is_refused_with_no_value(
+    tmp_path: Path, section: str, written: str, expected: str
+) -> None:
+    """Written with nothing under it (every key commented out: YAML's null), storage.redis was Redis at
+    127.0.0.1:6379, storage.postgres a PostgreSQL on localhost, a route's upstream the top-level one (its requests
+    sent to the API of other routes); `compression: false` (or `redis: ""`) turned compression (Redis) on."""
+    path = tmp_path / "c.yaml"
+    path.write_text("upstream: {url: http://127.0.0.1:9000}\n" + written)
+    with pytest.raises(ConfigError) as refused:
+        load_config_file(path, env={})
+    assert refused.value.errors == [expected]
+    # `{}` is still the section with its defaults, as config.example.yaml says
+    on = load_config({"upstream": UP, "storage": {"postgres": {}, "redis": {}, "compression": {}}}, env={})
+    assert on.storage.redis is not None and on.storage.postgres is not None and on.storage.compression is not None
+
+
 # Imported by Python at start from the first sys.path entry that has it: OpenTelemetry as if never installed.
 _WITHOUT_OTEL = """
 import sys
