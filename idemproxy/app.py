@@ -367,11 +367,35 @@ async def _listen(runner: web.BaseRunner, section: str, host: str, port: int, re
     try:
         await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
     except OSError as exc:
-        reason = (exc.strerror or str(exc)).rpartition("): ")[2]  # (asyncio names the address again first)
-        if isinstance(exc, socket.gaierror):
-            reason = f"the host does not resolve: {reason}"
-        raise CannotListen(f"{section}.host / {section}.port: cannot listen on {host}:{port} ({reason.lower()})"
-                           ) from exc
+        raise _cannot_listen(section, host, port, exc) from exc
+
+
+def _cannot_listen(section: str, host: str, port: int, exc: OSError) -> CannotListen:
+    reason = (exc.strerror or str(exc)).rpartition("): ")[2]  # (asyncio names the address again first)
+    if isinstance(exc, socket.gaierror):
+        reason = f"the host does not resolve: {reason}"
+    return CannotListen(f"{section}.host / {section}.port: cannot listen on {host}:{port} ({reason.lower()})")
+
+
+async def check_ports(config: Config) -> None:
+    """``--workers N``, in the parent: bind (without listening) what every worker will listen on, and let it go. A
+    port that is taken, or the admin and proxy ports under two names, is then said once, by the parent, instead of
+    once by each worker. (Taken between this and the workers' start, it is still said by each.)"""
+    loop = asyncio.get_running_loop()
+    servers: list[asyncio.Server] = []
+    try:
+        for section, host, port in (("admin", config.admin.host, config.admin.port),
+                                    ("listen", config.listen.host, config.listen.port)):
+            try:
+                servers.append(await loop.create_server(asyncio.Protocol, host, port, reuse_port=True,
+                                                        start_serving=False))
+            except OSError as exc:
+                raise _cannot_listen(section, host, port, exc) from exc
+        admin, listen = ([sock.getsockname() for sock in server.sockets] for server in servers)
+        _own_ports(admin, listen)
+    finally:
+        for server in servers:
+            server.close()
 
 
 def _own_ports(admin: list[Any], listen: list[Any]) -> None:

@@ -176,13 +176,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _load(args.config, _overrides(args))
     setup_logging(config.log)
     require(config.tracing)  # before any worker starts: one clear line instead of one traceback each
-    if config.workers > 1 and not args.reuse_port:
-        from idemproxy.workers import run_workers
-
-        return run_workers(config, sys.argv[1:])
-    from idemproxy.app import CannotListen, serve
+    from idemproxy.app import CannotListen, check_ports, serve
 
     try:
+        if config.workers > 1 and not args.reuse_port:
+            from idemproxy.workers import run_workers
+
+            _run(check_ports(config))  # (a taken port: one line, not one per worker)
+            return run_workers(config, sys.argv[1:])
         _run(serve(config, reuse_port=args.reuse_port))
     except CannotListen as exc:  # a port a flag gave is named by that flag, as a bad value of it is (_by_flag)
         said = str(exc)

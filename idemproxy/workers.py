@@ -65,7 +65,8 @@ def run_workers(config: Config, argv: list[str]) -> int:
     requests in flight, its store_up); exit non-zero if any failed."""
     with tempfile.TemporaryDirectory(prefix="idemproxy-metrics-") as metrics_dir:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir, PARENT_ENV: str(os.getpid())}
-        command = [sys.executable, "-m", "idemproxy", *argv, "--workers", "1", "--reuse-port"]
+        # (--reuse-port makes it a worker; its config keeps the real worker count, which its start-up line shows)
+        command = [sys.executable, "-m", "idemproxy", *argv, "--reuse-port"]
         started: dict[int, float] = {}
 
         def spawn() -> subprocess.Popen[bytes]:

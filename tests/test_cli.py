@@ -312,6 +312,31 @@ async def test_workers_share_the_port_and_metrics_add_up(
         output = proc.communicate(timeout=30)[0].decode()
     assert proc.returncode == 0, output
     assert len(set(re.findall(r"started 2 workers: \[(\d+), (\d+)\]", output)[0])) == 2
+    # each worker's start-up line shows the config in force: 2 workers (each said "workers":1, its own count)
+    assert re.findall(r'effective config: .*"workers":(\d+)', output) == ["2", "2"], output
+
+
+@pytest.mark.parametrize(("section", "flag"), [("listen", None), ("admin", None), ("listen", "--port")])
+def test_a_port_taken_is_said_once_whatever_the_workers(
+    section: str, flag: str | None, clean_pg: str, tmp_path: Path
+) -> None:
+    """`serve --workers 3` with its port taken said "cannot listen" three times, one line per worker, then logged
+    that a worker exited within 5s of its start."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = {"listen": free_port(), "admin": free_port(), section: busy if flag is None else free_port()}
+        config = tmp_path / "w.yaml"
+        config.write_text(yaml.safe_dump({
+            "listen": {"host": "127.0.0.1", "port": ports["listen"]},
+            "admin": {"host": "127.0.0.1", "port": ports["admin"]}, "upstream": {"url": "http://127.0.0.1:1"},
+            "storage": {"postgres": {"dsn": clean_pg, "pool_min": 1}}, "workers": 3,
+        }))
+        result = run_cli("serve", "--config", str(config), *((flag, str(busy)) if flag else ()))
+    named = f"{section}.host / {section}.port" if flag is None else f"{section}.host / {flag} ({section}.port)"
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"idemproxy: {named}: cannot listen on 127.0.0.1:{busy} (address already in use)"], result.stderr
 
 
 async def pay(session: aiohttp.ClientSession, port: int, key: str, *, delay: float) -> int | str:
