@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from idemproxy.config import (
     parse_duration,
     parse_size,
 )
+from tests.conftest import ProxyFactory
 from tests.proxyproc import ProxyProcess
+from tests.upstream import RecordingUpstream
 
 UP = {"url": "http://127.0.0.1:9000"}
 
@@ -1073,6 +1076,22 @@ def test_a_section_that_turns_something_on_is_refused_with_no_value(
     # `{}` is still the section with its defaults, as config.example.yaml says
     on = load_config({"upstream": UP, "storage": {"postgres": {}, "redis": {}, "compression": {}}}, env={})
     assert on.storage.redis is not None and on.storage.postgres is not None and on.storage.compression is not None
+
+
+
+async def test_max_request_body_0_is_a_route_whose_keyed_requests_carry_no_body(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream
+) -> None:
+    """What config.example.yaml says of `max_request_body: 0`: a keyed request may carry no body (any body is 413,
+    never forwarded), for endpoints that take none; it is not "no limit" (as nginx's client_max_body_size 0 is)."""
+    proxy = await make_proxy("embedded", routes=[{"prefix": "/v1/captures", "max_request_body": 0}])
+    resp, body = await proxy.post("/v1/captures", key="c-1", body={"amount": 1})
+    assert resp.status == 413 and json.loads(body)["code"] == "body_too_large"
+    resp, _ = await proxy.post("/v1/captures", key="c-2")
+    assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false"
+    resp, _ = await proxy.post("/v1/charges", key="c-3", body={"amount": 1})  # (the other routes: 1 MiB)
+    assert resp.status == 201
+    assert [e.headers["Idempotency-Key"] for e in upstream.executed] == ["c-2", "c-3"]
 
 
 # Imported by Python at start from the first sys.path entry that has it: OpenTelemetry as if never installed.
