@@ -354,9 +354,11 @@ def _admin_refusal(status: int, body: bytes, admin_url: str) -> str:
     except ValueError:
         problem = None
     reason = http.client.responses.get(status, "")
+    # No admin route for /admin/keys/TENANT/KEY (neither is empty): the admin API is off. (A proxy before this one
+    # answered that 404 as text/plain, not as the problem unknown_path.)
+    if status == 404 and (not isinstance(problem, dict) or problem.get("code") == "unknown_path"):
+        return f"404: the admin API is off at {admin_url}: set admin.token in the proxy's config to turn it on"
     if not isinstance(problem, dict):  # not one of the admin API's problem answers
-        if status == 404:
-            return f"404: the admin API is off at {admin_url}: set admin.token in the proxy's config to turn it on"
         return f"admin API at {admin_url} answered {status} {reason}".rstrip()
     if status == 401:
         return "401: admin token refused: pass --token, or set admin.token or $IDEMPROXY_ADMIN_TOKEN"

@@ -8,6 +8,8 @@
     ├── MissingTenant              401 missing_tenant
     ├── Unauthorized               401 unauthorized       (admin API: wrong or missing bearer token)
     ├── RecordNotFound             404 not_found          (admin API)
+    ├── UnknownPath                404 unknown_path       (admin port: no such path)
+    ├── MethodNotAllowed           405 method_not_allowed (admin port) + Allow
     ├── InFlight                   409 in_flight          + Retry-After (or idempotency.in_flight_status)
     ├── BodyTooLarge               413 body_too_large
     ├── PayloadMismatch            422 payload_mismatch   (or idempotency.mismatch_status)
@@ -120,6 +122,23 @@ class RecordNotFound(Problem):
     status, code, title, outcome = 404, "not_found", "No such idempotency record", "not_found"
 
 
+class UnknownPath(Problem):
+    status, code, title = 404, "unknown_path", "No such path"
+
+
+class MethodNotAllowed(Problem):
+    status, code, title = 405, "method_not_allowed", "Method not allowed"
+
+    def __init__(self, allowed: set[str]) -> None:
+        names = ", ".join(sorted(allowed))
+        super().__init__(f"This path answers {names} only.")
+        self.headers["Allow"] = names
+
+
+_ADMIN_PATHS = ("The admin port serves /healthz, /readyz and /metrics, and /admin/keys/{tenant}/{key} when "
+                "admin.token is set.")
+
+
 class InFlight(Problem):
     status, code, title, outcome = 409, "in_flight", "Request already in flight", "in_flight"
 
@@ -219,5 +238,11 @@ async def render_problems(
 async def problem_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """:func:`render_problems` as an app's middleware (the admin port)."""
-    return await render_problems(request, handler)
+    """:func:`render_problems` as an app's middleware (the admin port), its router's 404 and 405 included (aiohttp
+    answers them as text/plain)."""
+    try:
+        return await render_problems(request, handler)
+    except web.HTTPNotFound:
+        return UnknownPath(_ADMIN_PATHS).response()
+    except web.HTTPMethodNotAllowed as exc:
+        return MethodNotAllowed(exc.allowed_methods).response()

@@ -299,3 +299,34 @@ async def test_a_request_the_admin_port_refuses_gets_a_problem_no_banner_and_no_
             assert ok.status == 200 and "Server" not in ok.headers  # routed answers as before
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("token", [TOKEN, ""])
+async def test_a_path_or_method_the_admin_port_has_not_is_a_problem(
+    make_proxy: ProxyFactory, admin_for: Any, token: str
+) -> None:
+    """aiohttp's router answered these as text/plain ("404: Not Found"), where every other error of the proxy is
+    application/problem+json."""
+    proxy = await make_proxy("embedded", admin={"token": token})
+    admin = await admin_for(proxy)
+    unknown = ["/nope", "/admin/keys/t", "/healthz/x"] + ([] if token else ["/admin/keys/t/k"])
+    wrong = [("POST", "/healthz", "GET, HEAD"), ("DELETE", "/metrics", "GET, HEAD"), ("PUT", "/readyz", "GET, HEAD")]
+    wrong += [("PUT", "/admin/keys/t/k", "DELETE, GET, HEAD")] if token else []
+    calls = [("GET", path, None) for path in unknown] + wrong
+    for method, path, allowed in calls:
+        async with admin.session.request(method, admin.server.make_url(path),
+                                         headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            assert resp.headers["Content-Type"] == "application/problem+json", (method, path)
+            problem = await resp.json(content_type=None)
+            assert resp.headers["Idemproxy-Admin"] == "1" and "Server" not in resp.headers
+        status, code = (404, "unknown_path") if allowed is None else (405, "method_not_allowed")
+        assert resp.status == problem["status"] == status and problem["code"] == code, (method, path, problem)
+        assert problem["type"] == "urn:idemproxy:problem:" + code.replace("_", "-") and problem["title"]
+        assert problem["detail"], problem
+        if allowed is not None:
+            assert resp.headers["Allow"] == allowed  # (RFC 9110 §15.5.6: a 405 names what is allowed)
+    # what the admin port serves is answered as before
+    for path, content_type in (("/healthz", "application/json"), ("/readyz", "application/json"),
+                               ("/metrics", "text/plain")):
+        async with admin.session.get(admin.server.make_url(path)) as resp:
+            assert resp.status == 200 and resp.content_type == content_type, path
