@@ -15,6 +15,7 @@ import math
 import os
 import re
 import secrets
+import socket
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -1145,14 +1146,7 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
                 f"{_fmt_seconds(idem.lease)} must be longer than {upstream_path}.timeout "
                 f"({_fmt_seconds(upstream.timeout)}), or a slow request loses its lease before its answer is stored",
             )
-    listen, admin = config.listen, config.admin
-    wildcard = ("", "0.0.0.0", "::")  # (an address on every interface overlaps any other)
-    if listen.port and listen.port == admin.port and (
-            listen.host == admin.host or listen.host in wildcard or admin.host in wildcard):
-        # Bound twice in one process: "address already in use" (our own); with --workers (SO_REUSEPORT) both bind,
-        # and the kernel hands each connection to the proxy or to the admin API.
-        loader.error("admin.port", f"{admin.port} is listen.port too (on an address both listen on): the proxy and "
-                     "its admin API need ports of their own")
+    _own_ports(loader, config.listen, config.admin)
     storage = config.storage
     largest = max(idem.max_stored_response for idem in [config.idempotency, *(r.idempotency for r in config.routes)])
     if storage.pending_settles.max_bytes < largest + 64 * 1024:
@@ -1175,6 +1169,44 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
         loader.error("storage.postgres.pool_min", "must not exceed storage.postgres.pool_max")
     if config.tracing.endpoint and config.tracing.exporter != "otlp":
         loader.error("tracing.endpoint", f"is only used with exporter: otlp (not {config.tracing.exporter})")
+
+
+def _own_ports(loader: _Loader, listen: ListenConfig, admin: AdminConfig) -> None:
+    """The proxy and its admin API on one port of one address: bound twice in one process, "address already in
+    use" (by our own admin port); with --workers (SO_REUSEPORT) both bind, and the kernel hands each connection
+    to the proxy or to the admin API. (`serve` compares the sockets as bound, for names only a resolver knows.)"""
+    if not listen.port or listen.port != admin.port or any(
+            loader.failed(path) for path in ("listen.host", "listen.port", "admin.host", "admin.port")):
+        return  # (a host refused is its own error: its default, 0.0.0.0, would collide with anything)
+    on_listen, on_admin = _addresses(listen.host), _addresses(admin.host)
+    if on_listen is None or on_admin is None or on_listen & on_admin:
+        named = f": {admin.host} and {listen.host} are one address" if on_listen and listen.host != admin.host else ""
+        loader.error("admin.port", f"{admin.port} is listen.port too (on an address both listen on{named}): the proxy "
+                     "and its admin API need ports of their own")
+
+
+_INET_ATON = re.compile(r"[0-9a-fx.]+")  # what the resolver may read as an IPv4 address: 127.1, 0x7f.0.0.1, 0
+
+
+def _addresses(host: str) -> frozenset[str] | None:
+    """The addresses a server listening on ``host`` takes, as far as they are known without asking a resolver:
+    None for every address (a wildcard, ``""``, ``0``, ``::``, overlapping any other); an address in whatever
+    spelling the system's resolver reads as one (``127.1``, ``0:0::1``) as that address; ``localhost`` as the
+    loopback addresses; any other name as itself (compared as written, case aside)."""
+    name = host.lower()
+    if name == "localhost":
+        return frozenset(("127.0.0.1", "::1"))
+    if not name:
+        return None
+    address: ipaddress.IPv4Address | ipaddress.IPv6Address
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        try:  # (inet_aton, as getaddrinfo uses it; the pattern keeps out what glibc's reads past: "1.2.3.4 x")
+            address = ipaddress.IPv4Address(socket.inet_aton(name) if _INET_ATON.fullmatch(name) else b"")
+        except (OSError, ValueError):
+            return frozenset((name,))
+    return None if address.is_unspecified else frozenset((str(address),))
 
 
 def _request_id_carries_no_secret(loader: _Loader, config: Config) -> None:

@@ -832,10 +832,10 @@ def test_gen_key_prints_a_key_the_config_accepts() -> None:
 
 
 def test_the_admin_api_and_the_proxy_never_share_a_port_under_another_name(tmp_path: Path) -> None:
-    """admin.port equal to listen.port is refused by check-config when the hosts are written alike (or one is a
-    wildcard), but `localhost` and `127.0.0.1` are one address under two names: a worker of --workers (which binds
-    with SO_REUSEPORT) bound both, and the kernel handed each connection to the proxy or to the admin API (half of
-    /healthz answered 502 by the upstream). The sockets as bound are compared, whatever the hosts are called."""
+    """`localhost` and `127.0.0.1` are one address under two names: a worker of --workers (which binds with
+    SO_REUSEPORT) bound both, and the kernel handed each connection to the proxy or to the admin API (half of
+    /healthz answered 502 by the upstream). The config refuses these two names now; `serve` also compares the
+    sockets as bound, for names only a resolver knows (test_serve_compares_the_two_ports_as_bound)."""
     port = free_port()
     config = tmp_path / "named.yaml"
     config.write_text(yaml.safe_dump({
@@ -856,6 +856,18 @@ def test_the_admin_api_and_the_proxy_never_share_a_port_under_another_name(tmp_p
     assert proc.returncode == 1, err[-1500:]
     assert f"admin.port: {port} is listen.port too" in err, err[-1500:]
 
+
+
+def test_serve_compares_the_two_ports_as_bound() -> None:
+    """Two names of one address that only a resolver knows (from /etc/hosts, say) pass the config's check: `serve`
+    (and, for --workers, the parent) compares the addresses the sockets were bound to."""
+    from idemproxy.app import CannotListen, _own_ports
+
+    for admin, listen in (("127.0.0.1", "127.0.0.1"), ("::", "127.0.0.1"), ("127.0.0.1", "0.0.0.0")):
+        with pytest.raises(CannotListen, match=r"^admin\.port: 8080 is listen\.port too"):
+            _own_ports([(admin, 8080)], [(listen, 8080)])
+    _own_ports([("127.0.0.1", 8080)], [("127.0.0.2", 8080)])
+    _own_ports([("127.0.0.1", 9090)], [("127.0.0.1", 8080)])
 
 async def test_ports_the_system_picks_are_named_in_the_start_up_line(upstream: RecordingUpstream, tmp_path: Path
                                                                      ) -> None:

@@ -846,6 +846,30 @@ def test_the_admin_port_cannot_be_the_proxy_port(tmp_path: Path) -> None:
     load_config({"upstream": UP, "listen": {"port": 0}, "admin": {"port": 0}}, env={})
 
 
+
+@pytest.mark.parametrize(("listen", "admin"), [
+    ("localhost", "127.0.0.1"), ("::1", "LOCALHOST"), ("127.1", "127.0.0.1"), ("0x7f.0.0.1", "127.0.0.1"),
+    ("127.000.000.001", "127.0.0.1"), ("0:0::1", "::1"), ("0", "10.0.0.5"), ("0:0::0", "::1"),
+])
+def test_the_admin_port_cannot_be_the_proxy_port_under_another_spelling(listen: str, admin: str) -> None:
+    """check-config compared listen.host and admin.host as written: `localhost` and `127.0.0.1` (or `127.1`, the
+    resolver's short form; or `0`, the wildcard) passed, and `serve` then failed with "address already in use" on
+    its own admin port (with --workers, the two shared it). Names are compared without a resolver: `localhost` is
+    the loopback addresses, an address is read as the system's resolver reads it, and `0`, `0:0::0` are wildcards."""
+    raw = {"upstream": UP, "listen": {"host": listen, "port": 8080}, "admin": {"host": admin, "port": 8080}}
+    [error] = errors_of(raw)
+    assert error.startswith("admin.port: 8080 is listen.port too (on an address both listen on"), error
+    if "0" not in (listen, admin) and "0:0::0" not in (listen, admin):
+        assert f"{admin} and {listen} are one address" in error, error
+    # other addresses, or other names (which only a resolver could compare: `serve` compares them as bound)
+    for other in (("127.0.0.2", "127.0.0.1"), ("::ffff:127.0.0.1", "127.0.0.1"), ("api.internal", "127.0.0.1"),
+                  ("2001:db8::1", "::1")):
+        load_config({"upstream": UP, "listen": {"host": other[0], "port": 8080},
+                     "admin": {"host": other[1], "port": 8080}}, env={})
+    # a host refused is one error, not a collision of its default (0.0.0.0) besides
+    assert errors_of({"upstream": UP, "listen": {"host": 127.1, "port": 8080}, "admin": {"port": 8080}}) == [
+        "listen.host: 127.1 is not a string: YAML read the unquoted value as a number; quote it"]
+
 @pytest.mark.parametrize(("raw", "path"), [
     ({"upstream": "http://api:9000"}, "upstream"),
     ({"upstream": UP, "routes": [{"prefix": "/v1/payouts", "upstream": "http://payouts:9000"}]}, "routes[0].upstream"),
