@@ -248,8 +248,11 @@ class Proxy:
         def request_factory(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
             return _ProxyRequest(message, payload, protocol, writer, task, loop, state={_ON_PREPARE: hook})
 
-        # auto_decompress off: a gzip request body must reach the upstream (and the fingerprint) as sent.
-        settings: dict[str, Any] = {**kwargs, "max_field_size": 16384, "auto_decompress": False}
+        # auto_decompress off: a gzip request body must reach the upstream (and the fingerprint) as sent. An idle
+        # connection is closed by aiohttp's own keep-alive check (one timer per connection, moved on, not re-made,
+        # by each request).
+        settings: dict[str, Any] = {**kwargs, "max_field_size": 16384, "auto_decompress": False,
+                                    "keepalive_timeout": self.config.listen.keepalive_timeout}
         key_headers = frozenset(idem.header.lower() for idem in (
             self.config.idempotency, *(route.idempotency for route in self.config.routes)))
         return _Server(self._serve, request_factory=request_factory, key_headers=key_headers,

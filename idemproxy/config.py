@@ -131,6 +131,11 @@ class SecretURL(Secret):
 class ListenConfig:
     host: str = "0.0.0.0"
     port: int = 8080
+    # How long a connection may wait for its next request (docs/deploying.md "Slow and idle clients"). aiohttp's
+    # default, just over an hour: longer than a balancer's idle timeout (AWS ALB: 60 s unless raised;
+    # Google's: 600 s, fixed; Envoy's: an hour), so a balancer never sends a request on a connection this proxy
+    # is closing (a 502 from the balancer, for a request nobody read).
+    keepalive_timeout: float = 3630.0
 
 
 @dataclass(frozen=True)
@@ -811,7 +816,11 @@ def _status_in(value: Any, allowed: tuple[int, ...]) -> int:
     return status
 
 _SPECS: dict[type[Any], _Spec] = {
-    ListenConfig: {"host": _str, "port": _int(0, 65535)},
+    ListenConfig: {
+        "host": _str,
+        "port": _int(0, 65535),
+        "keepalive_timeout": _positive_duration,
+    },
     AdminConfig: {
         "host": _str,
         "port": _int(0, 65535),

@@ -42,7 +42,8 @@ class ProxyProcess:
         self.port = free_port()
         self.admin_port = free_port()
         # No drain delay unless a test asks for one: stopping a test's proxy need not wait for load balancers.
-        config = {"drain_delay": "0s", **config, "listen": {"host": "127.0.0.1", "port": self.port},
+        config = {"drain_delay": "0s", **config,
+                  "listen": {**config.get("listen", {}), "host": "127.0.0.1", "port": self.port},
                   "admin": {"host": "127.0.0.1", "port": self.admin_port, **config.get("admin", {})}}
         self.config_path = workdir / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))

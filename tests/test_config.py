@@ -45,6 +45,7 @@ def errors_of(raw: Any, env: dict[str, str] | None = None) -> list[str]:
 def test_defaults_match_the_contract() -> None:
     config = load_config({"upstream": UP}, env={})
     assert (config.listen.host, config.listen.port) == ("0.0.0.0", 8080)
+    assert config.listen.keepalive_timeout == 3630  # aiohttp's: longer than any load balancer's idle timeout
     assert (config.admin.host, config.admin.port) == ("127.0.0.1", 9090)
     assert config.upstream.timeout == 30 and config.upstream.connect_timeout == 5
     assert config.upstream.max_connections == 512 and config.upstream.forward_key is True
@@ -126,6 +127,11 @@ def test_sizes(text: Any, size: int) -> None:
          "routes[0].upstream.timeout: '0s' is not a duration above zero"),
         ({"upstream": UP, "idempotency": {"settle_timeout": 0}},
          "idempotency.settle_timeout: 0 is not a duration above zero"),
+        # zero is aiohttp's "no keep-alive timeout": an idle connection kept for as long as the client likes
+        ({"upstream": UP, "listen": {"keepalive_timeout": 0}},
+         "listen.keepalive_timeout: 0 is not a duration above zero"),
+        ({"upstream": UP, "listen": {"keepalive_timeout": "soon"}},
+         "listen.keepalive_timeout: 'soon' is not a duration"),
         # zero cut every in-flight request and pending completion at shutdown: executed answers never stored
         ({"upstream": UP, "shutdown_timeout": "0s"}, "shutdown_timeout: '0s' is not a duration above zero"),
         ({"upstream": UP, "routes": [{"prefix": "/a", "wait_timeout": "0s"}]},

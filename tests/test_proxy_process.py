@@ -394,3 +394,41 @@ def test_asyncpgs_pool_warning_is_one_line_without_its_traceback(capsys: pytest.
     assert pool_line.endswith("WARNING asyncpg.pool: Failed to restore the pool connection floor; retrying "
                               "(ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 5432))")
     assert rest[-1] == "ValueError: kept"  # other loggers keep their exception text
+
+
+# ---------------------------------------------------------------------------------------- slow and idle clients
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One answer with a Content-Length off a kept-alive connection: its head and its body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return head, await reader.readexactly(length)
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_listen_keepalive_timeout(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """aiohttp's keep-alive timeout (3,630 s) was the only bound on an idle connection, and could not be set: a
+    proxy facing clients directly held each one that went quiet (or vanished without a FIN) for an hour.
+    ``listen.keepalive_timeout`` sets it; it counts idle time, not the connection's age."""
+    proxy = proxy_process({**embedded(upstream, tmp_path), "listen": {"keepalive_timeout": "500ms"}})
+    await proxy.start()
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        started = loop.time()
+        for n in range(6):  # a request every 0.2 s for over 1 s: never idle for 0.5 s, never closed
+            if n:
+                await asyncio.sleep(0.2)  # (the pace of a client, not a wait for the proxy)
+            writer.write(b"GET /kept/%d HTTP/1.1\r\nHost: a\r\n\r\n" % n)
+            head, _ = await read_answer(reader)
+            assert head.startswith(b"HTTP/1.1 200"), head
+        idle = loop.time()
+        assert idle - started > 1.0
+        async with asyncio.timeout(10):
+            assert await reader.read() == b""  # then idle: closed, without a word
+        assert loop.time() - idle >= 0.45
+    finally:
+        writer.close()
+    assert [e.path_qs for e in upstream.executed] == [f"/kept/{n}" for n in range(6)]
