@@ -20,13 +20,22 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.streams import EMPTY_PAYLOAD
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 from idemproxy.admin import ADMIN_MARK, AdminAPI
-from idemproxy.config import Config, SecretURL, advisories, to_plain
+from idemproxy.config import Config, ListenConfig, SecretURL, advisories, to_plain
 from idemproxy.engine import Engine
 from idemproxy.metrics import REDIS_ERROR_ONLY_OPERATIONS, Metrics
-from idemproxy.problems import BadRequest, InvalidKey, Problem, StoreUnavailable, problem_middleware, render_problems
+from idemproxy.problems import (
+    BadRequest,
+    InvalidKey,
+    Problem,
+    RequestTimeout,
+    StoreUnavailable,
+    problem_middleware,
+    render_problems,
+)
 from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upstreams
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
@@ -256,12 +265,13 @@ class Proxy:
         key_headers = frozenset(idem.header.lower() for idem in (
             self.config.idempotency, *(route.idempotency for route in self.config.routes)))
         return _Server(self._serve, request_factory=request_factory, key_headers=key_headers,
-                       on_bad_key=self._count_unreadable_key, request_ids=True, **settings)
+                       on_unparsed=self._count_unparsed, request_ids=True, limits=self.config.listen, **settings)
 
-    def _count_unreadable_key(self, request: web.BaseRequest) -> None:
-        """A key header the parser refused is an ``invalid_key`` like any other, counted and access-logged (route
-        and method unknown: ``other`` and aiohttp's ``UNKNOWN``)."""
-        self.engine.refused(request, 400, parsed=False)
+    def _count_unparsed(self, request: web.BaseRequest, status: int) -> None:
+        """A request refused before its head was read whole, counted and access-logged as the requests refused as
+        malformed are (``invalid_key``; route and method unknown: ``other`` and aiohttp's ``UNKNOWN``): a key header
+        the parser refused, and a head that did not come whole within ``listen.header_timeout``."""
+        self.engine.refused(request, status, parsed=False)
 
     def _refuse(self, request: web.BaseRequest, refused: web.Response) -> web.Response:
         """An answer made before the engine ran, counted and access-logged as the engine's own refusals are."""
@@ -491,6 +501,13 @@ class _ProxyRequest(web.BaseRequest):
         await self[_ON_PREPARE](self, response)
 
 
+class _HeadTimeout(TimeoutError):
+    """A request head that did not come whole within ``listen.header_timeout`` (``_ProblemRequestHandler``)."""
+
+
+_DATA_RECEIVED = RequestHandler.data_received
+
+
 class _ProblemRequestHandler(RequestHandler):
     """aiohttp's connection handler for the proxy port, its own error answers as problem+json like every other
     answer the proxy makes. A request aiohttp's parser refused (a malformed request line, a header value with a
@@ -499,8 +516,54 @@ class _ProblemRequestHandler(RequestHandler):
     ERROR, for any client that sends one."""
 
     key_headers: frozenset[str] = frozenset()  # lower-case names of the idempotency key header (all routes)
-    on_bad_key: Callable[[web.BaseRequest], None] = staticmethod(lambda _request: None)  # counts the request
+    # counts a request refused before its head was read whole (a status)
+    on_unparsed: Callable[[web.BaseRequest, int], None] = staticmethod(lambda _request, _status: None)
     request_ids = False  # (the proxy port) every answer carries a request id: the log line names it too
+    limits: ListenConfig | None = None  # (the proxy port) the client's pace, looked at by ``check_pace``
+    # What ``check_pace`` noted: whether bytes came since (``fed``), the wait for a head it last saw (the number of
+    # requests parsed by then; -1: none) and when the head it waits for was due to start.
+    fed = False
+    _waited = -1
+    _head_since = 0.0
+
+    def data_received(self, data: bytes) -> None:
+        # One attribute per read, no timer: it tells ``check_pace`` a head has begun on a connection it saw idle.
+        self.fed = True
+        _DATA_RECEIVED(self, data)
+
+    def check_pace(self, now: float, limits: ListenConfig) -> None:
+        """The server's look at this connection (``_Server``, every tick): a request head that has not come whole
+        ``listen.header_timeout`` after it began is answered 408 and the connection closed; a new connection that
+        sent nothing at all by then is closed (no request to answer, as nginx does). A head began when the
+        connection's first byte came (its accept, for the first head: a client connects to send one), or when a
+        byte came after a look found the connection waiting idle: seen at a tick, so counted from that tick, never
+        early. Bytes of a head sent right after an answer and then nothing more go unseen: that connection waits
+        as an idle one, for ``listen.keepalive_timeout`` (aiohttp's own check)."""
+        waiter = self._waiter
+        if waiter is None or waiter.done() or self._close or self._force_close:
+            self._waited = -1  # not waiting for a head: a request in progress or queued, or closing
+            return
+        requests = self._request_count
+        if requests != self._waited:  # a wait this check has not seen yet
+            self._waited = requests
+            self._head_since = now  # (of a new connection: its first head is due from its accept)
+            if requests:  # after an answer: idle until a byte comes (those before this look were the answered's)
+                self.fed = False
+                self._head_since = -1.0
+        elif self._head_since < 0 and self.fed:
+            self._head_since = now
+        if 0 <= self._head_since <= now - limits.header_timeout:
+            self._head_timed_out(waiter)
+
+    def _head_timed_out(self, waiter: asyncio.Future[None]) -> None:
+        if not self.fed:  # a new connection that sent nothing
+            self.force_close()
+            return
+        # Answered as aiohttp answers a head its parser refused: an error queued for this connection's task, which
+        # answers it (``handle_error``) and closes; what the client still sends is not parsed.
+        self._close = True
+        self._messages.append((_ErrInfo(status=408, exc=_HeadTimeout(), message=""), EMPTY_PAYLOAD))
+        waiter.set_result(None)
 
     @property
     def task(self) -> asyncio.Task[None] | None:
@@ -518,7 +581,14 @@ class _ProblemRequestHandler(RequestHandler):
         if self.request_ids:
             request[REQUEST_ID] = request.get(REQUEST_ID) or new_request_id()
             named = f", request id {request[REQUEST_ID]}"
-        if 400 <= status < 500:
+        if isinstance(exc, _HeadTimeout):
+            timeout = self.limits.header_timeout if self.limits is not None else 0.0
+            log.info("closed a connection whose request head did not come whole within listen.header_timeout "
+                     "(%gs)%s", timeout, named)
+            self.on_unparsed(request, status)
+            problem = RequestTimeout(f"The request head did not come whole within {timeout:g}s; nothing was "
+                                     "forwarded.")
+        elif 400 <= status < 500:
             log.info("refused a request that is not valid HTTP/1.1 (%s)%s", type(exc).__name__ if exc else status,
                      named)
             # The parser's message quotes the line it refused, as b'Name: value' (b"Name: value" when the value
@@ -526,7 +596,7 @@ class _ProblemRequestHandler(RequestHandler):
             # may be a credential).
             quoted = (message or "").lower()
             if any(f"b'{name}:" in quoted or f'b"{name}:' in quoted for name in self.key_headers):
-                self.on_bad_key(request)
+                self.on_unparsed(request, status)
                 problem = InvalidKey("The idempotency key header could not be read (not printable ASCII, or too "
                                      "long); nothing was forwarded.")
             else:
@@ -543,21 +613,52 @@ class _ProblemRequestHandler(RequestHandler):
 
 
 class _Server(web.Server):
-    """aiohttp's low-level server, with :class:`_ProblemRequestHandler` for each connection."""
+    """aiohttp's low-level server, with :class:`_ProblemRequestHandler` for each connection. With ``limits`` (the
+    proxy port), one look at every connection's pace per tick while any is open (``check_pace``), a tenth of the
+    shortest limit: a limit is kept within a tenth of it, late, never early. One timer for the server, none per
+    request or per read (a ``call_later`` and its cancel cost a first request about 1 % more instructions)."""
 
-    def __init__(self, *args: Any, key_headers: frozenset[str], on_bad_key: Callable[[web.BaseRequest], None],
-                 request_ids: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, key_headers: frozenset[str], on_unparsed: Callable[[web.BaseRequest, int], None],
+                 request_ids: bool = False, limits: ListenConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.key_headers = key_headers
-        self.on_bad_key = on_bad_key
+        self.on_unparsed = on_unparsed
         self.request_ids = request_ids
+        self.limits = limits
+        self._tick = limits.header_timeout / 10 if limits is not None else 0.0
+        self._pace: asyncio.TimerHandle | None = None
 
     def __call__(self) -> RequestHandler:
         handler = _ProblemRequestHandler(self, loop=self._loop, **self._kwargs)
         handler.key_headers = self.key_headers
-        handler.on_bad_key = self.on_bad_key
+        handler.on_unparsed = self.on_unparsed
         handler.request_ids = self.request_ids
+        handler.limits = self.limits
         return handler
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        if self._pace is None and self.limits is not None:
+            self._pace = self._loop.call_later(self._tick, self._check_pace)
+
+    def _check_pace(self) -> None:
+        self._pace = None
+        limits = self.limits
+        assert limits is not None
+        now = self._loop.time()
+        try:
+            for conn in list(self._connections):
+                if isinstance(conn, _ProblemRequestHandler):
+                    conn.check_pace(now, limits)
+        finally:  # (while any connection is open; the next one made starts it again)
+            if self._connections:
+                self._pace = self._loop.call_later(self._tick, self._check_pace)
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        if self._pace is not None:
+            self._pace.cancel()
+            self._pace = None
+        await super().shutdown(timeout)
 
 
 def _close_connection(conn: RequestHandler, _task: asyncio.Task[None]) -> None:
@@ -584,7 +685,7 @@ class AdminRunner(web.AppRunner):
         return _Server(
             server.request_handler, request_factory=partial(self.app._make_request, _cls=_AdminRequest),
             handler_cancellation=server.handler_cancellation, loop=server._loop,
-            key_headers=frozenset(), on_bad_key=lambda _request: None, **server._kwargs,
+            key_headers=frozenset(), on_unparsed=lambda _request, _status: None, **server._kwargs,
         )
 
 

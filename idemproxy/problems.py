@@ -11,6 +11,7 @@
     ├── UnknownPath                404 unknown_path       (admin port: no such path)
     ├── MethodNotAllowed           405 method_not_allowed (admin port) + Allow
     ├── InFlight                   409 in_flight          + Retry-After (or idempotency.in_flight_status)
+    ├── RequestTimeout             408 request_timeout    (a request head that did not come whole in time)
     ├── BodyTooLarge               413 body_too_large
     ├── PayloadMismatch            422 payload_mismatch   (or idempotency.mismatch_status)
     ├── UpstreamUnreachable        502 upstream_unreachable
@@ -147,6 +148,13 @@ class InFlight(Problem):
         # the replay. When the owner is gone, the key is taken over only after lease_expires_in seconds.
         super().__init__(detail, status=status, lease_expires_in=max(0, math.ceil(lease_expires_in)))
         self.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+
+
+class RequestTimeout(Problem):
+    """The client did not send its request in time (``listen.header_timeout``): nothing was forwarded. Counted as
+    the requests aiohttp's parser refused are (``Engine.refused``: ``invalid_key``, route ``other``)."""
+
+    status, code, title, outcome = 408, "request_timeout", "Request timeout", "invalid_key"
 
 
 class BodyTooLarge(Problem):

@@ -46,6 +46,7 @@ def test_defaults_match_the_contract() -> None:
     config = load_config({"upstream": UP}, env={})
     assert (config.listen.host, config.listen.port) == ("0.0.0.0", 8080)
     assert config.listen.keepalive_timeout == 3630  # aiohttp's: longer than any load balancer's idle timeout
+    assert config.listen.header_timeout == 60  # nginx's client_header_timeout
     assert (config.admin.host, config.admin.port) == ("127.0.0.1", 9090)
     assert config.upstream.timeout == 30 and config.upstream.connect_timeout == 5
     assert config.upstream.max_connections == 512 and config.upstream.forward_key is True
@@ -127,6 +128,8 @@ def test_sizes(text: Any, size: int) -> None:
          "routes[0].upstream.timeout: '0s' is not a duration above zero"),
         ({"upstream": UP, "idempotency": {"settle_timeout": 0}},
          "idempotency.settle_timeout: 0 is not a duration above zero"),
+        ({"upstream": UP, "listen": {"header_timeout": "0ms"}},
+         "listen.header_timeout: '0ms' is not a duration above zero"),
         # zero is aiohttp's "no keep-alive timeout": an idle connection kept for as long as the client likes
         ({"upstream": UP, "listen": {"keepalive_timeout": 0}},
          "listen.keepalive_timeout: 0 is not a duration above zero"),

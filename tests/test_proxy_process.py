@@ -22,7 +22,7 @@ import pytest
 from idemproxy.config import load_config
 from idemproxy.logs import setup_logging
 from tests.proxyproc import ProxyProcess, wait_ready
-from tests.rawhttp import build_request, send_raw
+from tests.rawhttp import build_request, parse_response, send_raw
 from tests.servers import free_port
 from tests.upstream import RecordingUpstream, pattern_sha256
 
@@ -432,3 +432,83 @@ async def test_an_idle_keep_alive_connection_is_closed_after_listen_keepalive_ti
     finally:
         writer.close()
     assert [e.path_qs for e in upstream.executed] == [f"/kept/{n}" for n in range(6)]
+
+
+async def trickle_until_answered(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes, every: float
+) -> tuple[bytes, float]:
+    """Send ``data`` a byte every ``every`` seconds (a client's pace) until the proxy answers or closes; returns
+    what it sent back (up to the close) and when its first byte came, on the loop's clock."""
+    loop = asyncio.get_running_loop()
+    first = asyncio.ensure_future(reader.read(1))
+    for byte in data:
+        done, _ = await asyncio.wait({first}, timeout=every)
+        if done:
+            break
+        writer.write(bytes([byte]))
+    async with asyncio.timeout(10):
+        head = await first
+        came = loop.time()
+        return head + await reader.read(), came
+
+
+async def test_a_request_head_that_does_not_come_whole_within_listen_header_timeout_gets_408(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """Nothing bounded the time a client took to send a request head: one trickling a byte every few seconds
+    held its connection until aiohttp's keep-alive timeout, 3,630 s after the accept (slowloris), and a connection
+    that sent nothing at all as long. A head now comes whole within listen.header_timeout of its first byte (a new
+    connection's first head: of its accept), or is answered 408 problem+json and the connection closed, counted
+    as the requests refused as malformed are; a connection that sent nothing is closed without a word."""
+    timeout = 0.5
+    proxy = proxy_process({**embedded(upstream, tmp_path), "log": {"access": "info"},
+                           "listen": {"header_timeout": f"{timeout}s", "keepalive_timeout": "30s"}})
+    await proxy.start()
+    loop = asyncio.get_running_loop()
+    head = b"POST /v1/charges HTTP/1.1\r\nHost: a\r\nIdempotency-Key: slow\r\nX-Pad: " + b"p" * 100
+
+    # a new connection trickling its first head
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    opened = loop.time()
+    answer, came = await trickle_until_answered(reader, writer, head, 0.05)
+    writer.close()
+    assert timeout <= came - opened < timeout + 5
+    refused = parse_response(answer)
+    assert refused.status == 408 and refused.headers["content-type"] == "application/problem+json"
+    assert json.loads(refused.body)["code"] == "request_timeout" and refused.headers["x-request-id"]
+    # (and closed: trickle_until_answered read up to the close; the answer is HTTP/1.0, as aiohttp's own refusals of
+    # a head are, which closes by itself)
+
+    # a kept-alive connection: its next head is held to the same bound from its first byte, not keepalive_timeout
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"GET /first HTTP/1.1\r\nHost: a\r\n\r\n")
+    first, _ = await read_answer(reader)
+    assert first.startswith(b"HTTP/1.1 200")
+    await asyncio.sleep(2 * timeout)  # idle for longer than header_timeout first: idle is keepalive_timeout's
+    began = loop.time()
+    answer, came = await trickle_until_answered(reader, writer, head, 0.05)
+    writer.close()
+    assert timeout <= came - began < timeout + 5 and parse_response(answer).status == 408
+
+    # a head sent in pieces that comes whole in time is served
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    for piece in (b"GET /pieces HTTP/1.1\r\n", b"Host: a\r\n", b"\r\n"):
+        writer.write(piece)
+        await asyncio.sleep(timeout / 5)
+    served, _ = await read_answer(reader)
+    writer.close()
+    assert served.startswith(b"HTTP/1.1 200")
+
+    # a connection that sends nothing is closed, unanswered
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    opened = loop.time()
+    async with asyncio.timeout(10):
+        assert await reader.read() == b""
+    writer.close()
+    assert loop.time() - opened >= timeout
+
+    assert [e.path_qs for e in upstream.executed] == ["/first", "/pieces"]
+    async with aiohttp.ClientSession() as session, session.get(proxy.admin_url + "/metrics") as resp:
+        metrics = await resp.text()
+    assert ('idemproxy_requests_total{method="UNKNOWN",outcome="invalid_key",route="other"} 2.0' in metrics), metrics
+    assert proxy.log().count("UNKNOWN / 408 invalid_key") == 2
