@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
-from aiohttp.streams import EMPTY_PAYLOAD
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 from idemproxy.admin import ADMIN_MARK, AdminAPI
@@ -29,10 +29,12 @@ from idemproxy.engine import Engine
 from idemproxy.metrics import REDIS_ERROR_ONLY_OPERATIONS, Metrics
 from idemproxy.problems import (
     BadRequest,
+    ClientStalled,
     InvalidKey,
     Problem,
     RequestTimeout,
     StoreUnavailable,
+    loggable_path,
     problem_middleware,
     render_problems,
 )
@@ -521,10 +523,14 @@ class _ProblemRequestHandler(RequestHandler):
     request_ids = False  # (the proxy port) every answer carries a request id: the log line names it too
     limits: ListenConfig | None = None  # (the proxy port) the client's pace, looked at by ``check_pace``
     # What ``check_pace`` noted: whether bytes came since (``fed``), the wait for a head it last saw (the number of
-    # requests parsed by then; -1: none) and when the head it waits for was due to start.
+    # requests parsed by then; -1: none) and when the head it waits for was due to start; the body it last saw
+    # being read, how much of it had come then and since when.
     fed = False
     _waited = -1
     _head_since = 0.0
+    _body: StreamReader | None = None
+    _body_seen = 0
+    _body_since = 0.0
 
     def data_received(self, data: bytes) -> None:
         # One attribute per read, no timer: it tells ``check_pace`` a head has begun on a connection it saw idle.
@@ -538,7 +544,13 @@ class _ProblemRequestHandler(RequestHandler):
         connection's first byte came (its accept, for the first head: a client connects to send one), or when a
         byte came after a look found the connection waiting idle: seen at a tick, so counted from that tick, never
         early. Bytes of a head sent right after an answer and then nothing more go unseen: that connection waits
-        as an idle one, for ``listen.keepalive_timeout`` (aiohttp's own check)."""
+        as an idle one, for ``listen.keepalive_timeout`` (aiohttp's own check). A request body: ``_watch_body``."""
+        request = self._current_request
+        if request is not None:
+            self._waited = -1
+            self._watch_body(request, now, limits.body_timeout)
+            return
+        self._body = None
         waiter = self._waiter
         if waiter is None or waiter.done() or self._close or self._force_close:
             self._waited = -1  # not waiting for a head: a request in progress or queued, or closing
@@ -554,6 +566,23 @@ class _ProblemRequestHandler(RequestHandler):
             self._head_since = now
         if 0 <= self._head_since <= now - limits.header_timeout:
             self._head_timed_out(waiter)
+
+    def _watch_body(self, request: web.BaseRequest, now: float, timeout: float) -> None:
+        """A request body the proxy waits for that has not moved for ``listen.body_timeout``: its stream fails with
+        :class:`ClientStalled`, and whoever reads it answers 408 (and cuts a pass-through's upstream connection,
+        never reused). Only time waiting on the client counts: a body held up by the proxy (bytes come and not read
+        yet, as while the upstream takes a streamed upload slowly) or waiting for its interim 100 is not stalled.
+        Progress, not a total: a slow upload that keeps moving is never cut."""
+        body = request.content
+        if body.is_eof() or body.exception() is not None or request.get(CONTINUE):
+            self._body = None
+            return
+        if body is not self._body or body.total_bytes != self._body_seen or body._size:
+            self._body, self._body_seen, self._body_since = body, body.total_bytes, now
+        elif self._body_since <= now - timeout:
+            log.info("no byte of the body of %s %s for listen.body_timeout (%gs), request id %s: answering 408",
+                     request.method, loggable_path(request), timeout, request.get(REQUEST_ID, ""))
+            body.set_exception(ClientStalled(timeout))
 
     def _head_timed_out(self, waiter: asyncio.Future[None]) -> None:
         if not self.fed:  # a new connection that sent nothing
@@ -625,7 +654,7 @@ class _Server(web.Server):
         self.on_unparsed = on_unparsed
         self.request_ids = request_ids
         self.limits = limits
-        self._tick = limits.header_timeout / 10 if limits is not None else 0.0
+        self._tick = min(limits.header_timeout, limits.body_timeout) / 10 if limits is not None else 0.0
         self._pace: asyncio.TimerHandle | None = None
 
     def __call__(self) -> RequestHandler:

@@ -134,6 +134,9 @@ class ListenConfig:
     # A request's head must come whole within this of its first byte (a new connection's first head: of its accept),
     # as nginx's client_header_timeout (60 s): any client sends one in a single write, long before.
     header_timeout: float = 60.0
+    # A request body may go this long without a byte while the proxy waits for one (progress, not a total: a slow
+    # upload that keeps moving is never cut), as nginx's client_body_timeout (60 s); past it, 408.
+    body_timeout: float = 60.0
     # How long a connection may wait for its next request (docs/deploying.md "Slow and idle clients"). aiohttp's
     # default, just over an hour: longer than a balancer's idle timeout (AWS ALB: 60 s unless raised;
     # Google's: 600 s, fixed; Envoy's: an hour), so a balancer never sends a request on a connection this proxy
@@ -823,6 +826,7 @@ _SPECS: dict[type[Any], _Spec] = {
         "host": _str,
         "port": _int(0, 65535),
         "header_timeout": _positive_duration,
+        "body_timeout": _positive_duration,
         "keepalive_timeout": _positive_duration,
     },
     AdminConfig: {

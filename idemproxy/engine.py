@@ -45,6 +45,7 @@ from idemproxy.problems import (
     BadRequest,
     BodyTooLarge,
     ClientGone,
+    ClientStalled,
     InFlight,
     InvalidKey,
     MissingKey,
@@ -358,7 +359,7 @@ class Engine:
         if not key_values:
             raise MissingKey(f"This route requires an {idem.header} header.")
         ex.key = key = parse_key(key_values, idem.key_max_length)
-        body = await read_body(request, idem.max_request_body, ex.upstream.config.timeout)
+        body = await read_body(request, idem.max_request_body)
         headers = (_fingerprint_headers(ex.upstream.request_headers(request, drop=(idem.header,)), request.headers,
                                         idem.fingerprint_headers) if idem.fingerprint_headers else ())
         if len(body) < OFFLOAD_BYTES:
@@ -967,12 +968,12 @@ def _release_upstream(task: asyncio.Task[_Forwarded | web.Response]) -> None:
             result.upstream.release()
 
 
-async def read_body(request: web.BaseRequest, limit: int, patience: float | None = None) -> bytes:
+async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     """The request body, refused with 413 past ``limit`` (checked before reading when declared, and then before
     an ``Expect: 100-continue`` is answered: the client is not asked for a body it would send in vain). A client
-    gone before its body came whole is :class:`ClientGone`; so is one that sends no byte of it for ``patience``
-    seconds (its connection is cut): a stalled upload would otherwise hold its connection and up to ``limit``
-    bytes for as long as the client stays connected."""
+    gone before its body came whole is :class:`ClientGone`; one that sent no byte of it for ``listen.body_timeout``
+    gets 408 (its stream fails with :class:`ClientStalled`, set by the server's look at its connections: no timer
+    per read here). Both come before the claim: no record is touched."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
@@ -985,17 +986,14 @@ async def read_body(request: web.BaseRequest, limit: int, patience: float | None
         parts: list[bytes] = []
         size = 0
         while True:
-            async with asyncio.timeout(patience):
-                chunk = await content.read(CHUNK)  # what has come, up to CHUNK: progress, not a full chunk
+            chunk = await content.read(CHUNK)  # what has come, up to CHUNK
             if not chunk:
                 return b"".join(parts)
             size += len(chunk)
             if size > limit:
                 raise BodyTooLarge(f"The request body is larger than {limit} bytes.", max_bytes=limit)
             parts.append(chunk)
-    except TimeoutError as exc:
-        if request.transport is not None:  # nobody is sending: no answer would be read either
-            request.transport.abort()
-        raise ClientGone from exc
+    except ClientStalled as exc:
+        raise exc.problem("nothing was forwarded, and the idempotency key was not used.") from exc
     except ConnectionResetError as exc:  # (aiohttp's ClientConnectionResetError and "Connection lost" too)
         raise ClientGone from exc

@@ -11,7 +11,7 @@
     ├── UnknownPath                404 unknown_path       (admin port: no such path)
     ├── MethodNotAllowed           405 method_not_allowed (admin port) + Allow
     ├── InFlight                   409 in_flight          + Retry-After (or idempotency.in_flight_status)
-    ├── RequestTimeout             408 request_timeout    (a request head that did not come whole in time)
+    ├── RequestTimeout             408 request_timeout    (a request head or body that did not come in time)
     ├── BodyTooLarge               413 body_too_large
     ├── PayloadMismatch            422 payload_mismatch   (or idempotency.mismatch_status)
     ├── UpstreamUnreachable        502 upstream_unreachable
@@ -51,6 +51,20 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": the status the access lo
 class ClientGone(Exception):
     """The client went away (a reset, or its connection closed) before its request was read whole: nobody is
     left to answer, and nothing was forwarded on its behalf (bodies are read before anything is sent)."""
+
+
+class ClientStalled(TimeoutError):
+    """No byte of a request body came for ``listen.body_timeout`` while the proxy waited for one: set on the body's
+    stream by the server's look at its connections (``app._Server``) and raised to whoever reads it, who answers
+    408 (``problem``). A TimeoutError: aiohttp's read-off of a body left unread after an answer takes it as its
+    own time running out, and closes the connection."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"no byte of the request body for {timeout:g}s")
+        self.timeout = timeout
+
+    def problem(self, what: str) -> RequestTimeout:
+        return RequestTimeout(f"No byte of the request body came for {self.timeout:g}s; {what}")
 
 
 class Problem(Exception):
@@ -151,10 +165,12 @@ class InFlight(Problem):
 
 
 class RequestTimeout(Problem):
-    """The client did not send its request in time (``listen.header_timeout``): nothing was forwarded. Counted as
-    the requests aiohttp's parser refused are (``Engine.refused``: ``invalid_key``, route ``other``)."""
+    """The client did not send its request in time: its body stalled (``ClientStalled``), counted as a body refused
+    for its size is (the contract's outcomes are fixed: a bound on the request body, nothing forwarded whole, no
+    record touched); or its head did not come whole (``listen.header_timeout``), counted as the requests aiohttp's
+    parser refused are (``Engine.refused``: ``invalid_key``, route ``other``)."""
 
-    status, code, title, outcome = 408, "request_timeout", "Request timeout", "invalid_key"
+    status, code, title, outcome = 408, "request_timeout", "Request timeout", "body_too_large"
 
 
 class BodyTooLarge(Problem):

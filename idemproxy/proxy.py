@@ -35,6 +35,7 @@ from idemproxy.config import HOP_BY_HOP, Config, IPNetwork, RouteConfig, Upstrea
 from idemproxy.problems import (
     BadRequest,
     ClientGone,
+    ClientStalled,
     UpstreamAnswerRefused,
     UpstreamReset,
     UpstreamTimeout,
@@ -229,6 +230,9 @@ class _UpstreamErrors:
     ) -> None:
         if exc is None:
             return
+        if isinstance(exc.__cause__, ClientStalled):  # the client's body stalled as it streamed upstream
+            raise exc.__cause__.problem("the upstream's connection was cut before the body's end: it never got the "
+                                        "request whole.") from exc
         if isinstance(exc, UpstreamConnectError):
             raise UpstreamUnreachable("The upstream could not be reached; nothing was sent.") from exc
         if isinstance(exc, TimeoutError):
@@ -312,6 +316,8 @@ class Upstream:
                 body = await request.read() if length is not None and length <= SMALL_BODY else _stream_body(request)
             except ConnectionResetError as exc:  # (a streamed body that breaks later is the upstream's 502)
                 raise ClientGone from exc
+            except ClientStalled as exc:  # (read whole before the forward: nothing was sent)
+                raise exc.problem("nothing was forwarded.") from exc
         interim = _interim_relay(request) if request.version >= HttpVersion11 else None  # (none to HTTP/1.0)
         upstream = await self.send(request, self.request_headers(request), body, interim=interim)
         try:

@@ -341,13 +341,15 @@ async def test_a_client_gone_before_the_answer_starts_is_not_an_error(
 
 
 @pytest.mark.parametrize("framing", ["small", "large", "chunked"])
-async def test_a_covered_upload_that_stalls_is_cut_and_one_that_trickles_is_not(
-    make_proxy: ProxyFactory, upstream: RecordingUpstream, caplog: pytest.LogCaptureFixture, framing: str
+async def test_a_covered_upload_that_stalls_gets_408_and_one_that_trickles_does_not(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, framing: str
 ) -> None:
-    """A client that stopped sending mid-body held its connection, and up to max_request_body bytes, for as
-    long as it stayed connected: nothing bounded the read. It is now cut once no byte came for the route's
-    upstream timeout; a client that keeps sending, however slowly, is not."""
-    proxy = await make_proxy("embedded", upstream={"timeout": "400ms"})
+    """A client that stopped sending mid-body was cut unanswered once no byte had come for the route's
+    upstream.timeout (a bound meant for the upstream, with a timer per read), and not counted. It now gets 408
+    request_timeout once no byte came for listen.body_timeout, counted as body_too_large (a bound on the body,
+    as its size is); the body is read before the claim, so no record is touched: the same key, sent whole, is
+    forwarded. A client that keeps sending, however slowly, is not cut."""
+    proxy = await make_proxy("embedded", listen={"body_timeout": "400ms"})
     size = 100_000 if framing == "large" else 100  # (past SMALL_BODY or not: the two read paths)
     framing_header = (b"Transfer-Encoding: chunked" if framing == "chunked" else b"Content-Length: %d" % size)
 
@@ -358,33 +360,42 @@ async def test_a_covered_upload_that_stalls_is_cut_and_one_that_trickles_is_not(
     def piece(data: bytes) -> bytes:
         return b"%x\r\n%b\r\n" % (len(data), data) if framing == "chunked" else data
 
-    with caplog.at_level(logging.INFO):
-        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-        writer.write(head(b"stall") + piece(b"x" * 10))  # then nothing more, still connected
-        await writer.drain()
-        async with asyncio.timeout(10):
-            assert await reader.read() == b""  # cut, unanswered
-        writer.close()
-    assert "client went away before POST /v1/charges was read whole (TimeoutError)" in caplog.text
-    assert upstream.executed == []
-
-    # a client sending a piece every 150 ms for ~1.2 s (three times the timeout) gets its answer
+    loop = asyncio.get_running_loop()
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(head(b"trickle"))
-    sent = 0
-    for i in range(8):
-        part = b"y" * (size // 8 if i < 7 else size - 7 * (size // 8))
-        writer.write(piece(part))
-        sent += len(part)
-        await writer.drain()
-        await asyncio.sleep(0.15)  # (the pace of a slow client, not a wait for the proxy)
-    if framing == "chunked":
-        writer.write(b"0\r\n\r\n")
+    writer.write(head(b"stall") + piece(b"x" * 10))  # then nothing more, still connected
+    await writer.drain()
+    sent = loop.time()
     async with asyncio.timeout(10):
-        status_line = await reader.readline()
+        answer = parse_response(await reader.read())  # answered, and the connection closed after it
     writer.close()
-    assert status_line.startswith(b"HTTP/1.1 201"), status_line
-    assert sent == size and [len(e.body) for e in upstream.executed] == [size]
+    assert loop.time() - sent >= 0.4
+    assert answer.status == 408 and json.loads(answer.body)["code"] == "request_timeout"
+    assert answer.headers["content-type"] == "application/problem+json" and answer.headers["x-request-id"]
+    assert upstream.executed == []
+    counted = 'idemproxy_requests_total{method="POST",outcome="body_too_large",route="other"} 1.0'
+    assert counted in proxy.proxy.metrics.render().decode()
+
+    # a client sending a piece every 150 ms for ~1.2 s (three times the timeout) gets its answer; the stalled
+    # key, sent whole, is forwarded: it was never claimed
+    for key in (b"trickle", b"stall"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(head(key))
+        sent_bytes = 0
+        for i in range(8):
+            part = b"y" * (size // 8 if i < 7 else size - 7 * (size // 8))
+            writer.write(piece(part))
+            sent_bytes += len(part)
+            await writer.drain()
+            if key == b"trickle":
+                await asyncio.sleep(0.15)  # (the pace of a slow client, not a wait for the proxy)
+        if framing == "chunked":
+            writer.write(b"0\r\n\r\n")
+        async with asyncio.timeout(10):
+            status_line = await reader.readline()
+        writer.close()
+        assert status_line.startswith(b"HTTP/1.1 201"), status_line
+    assert sent_bytes == size and [len(e.body) for e in upstream.executed] == [size, size]
+    assert [e.headers["Idempotency-Key"] for e in upstream.executed] == ["trickle", "stall"]
 
 
 @pytest.mark.parametrize("head", [

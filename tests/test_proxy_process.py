@@ -512,3 +512,84 @@ async def test_a_request_head_that_does_not_come_whole_within_listen_header_time
         metrics = await resp.text()
     assert ('idemproxy_requests_total{method="UNKNOWN",outcome="invalid_key",route="other"} 2.0' in metrics), metrics
     assert proxy.log().count("UNKNOWN / 408 invalid_key") == 2
+
+
+class RawUpstream:
+    """An upstream on a real socket that answers 200 once a request came whole, and notes each connection's peer
+    port and how it ended: ``cut`` when it closed before the request on it came whole."""
+
+    def __init__(self) -> None:
+        self.served: list[tuple[int, str]] = []  # (peer port, request line)
+        self.cut: list[int] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")[1]
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if b"content-length:" in head.lower():
+                    await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+                else:  # chunked
+                    while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                        await reader.readexactly(size + 2)
+                    await reader.readuntil(b"\r\n")
+                self.served.append((peer, head.split(b"\r\n", 1)[0].decode()))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.cut.append(peer)
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_a_pass_through_upload_that_stalls_gets_408_and_frees_its_upstream_connection(
+    proxy_process: Factory, tmp_path: Path
+) -> None:
+    """A pass-through upload that stalled held its upstream connection (a slot of upstream.max_connections) until
+    the upstream's own silence ran out, twice over (measured: 60 s with the default 30 s timeout, then 504
+    upstream_timeout, blaming the upstream), and one trickling a byte every few seconds held it for good; a body
+    read whole before the forward (up to 64 KiB) that stalled had no bound at all. Once no byte came for
+    listen.body_timeout the client gets 408 request_timeout (counted as body_too_large), and a streamed upload's
+    upstream connection is cut, never reused: the slot is free for the next request at once."""
+    upstream = RawUpstream()
+    url = await upstream.start()
+    try:
+        proxy = proxy_process({"upstream": {"url": url, "timeout": "5s", "max_connections": 1},
+                               "storage": {"embedded": {"path": str(tmp_path / "s.sqlite3")}},
+                               "log": {"access": "info"}, "listen": {"body_timeout": "400ms"}})
+        await proxy.start()
+        loop = asyncio.get_running_loop()
+        stalls = {
+            "streamed": b"POST /upload HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd\r\n",
+            "read whole": b"POST /small HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n" + b"x" * 10,
+        }
+        for name, request in stalls.items():
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(request)  # then nothing more, still connected
+            sent = loop.time()
+            async with asyncio.timeout(10):
+                answer = parse_response(await reader.read())  # answered, and closed after it
+            writer.close()
+            assert loop.time() - sent >= 0.4, name
+            assert answer.status == 408 and json.loads(answer.body)["code"] == "request_timeout", (name, answer)
+        assert upstream.served == [] and len(upstream.cut) == 1  # the streamed upload's connection, cut mid-body
+
+        # the one upstream slot is free, and the cut connection is not reused
+        async with aiohttp.ClientSession() as session:
+            async with session.post(proxy.url + "/after", data=b"whole", timeout=aiohttp.ClientTimeout(3)) as resp:
+                assert resp.status == 200 and await resp.read() == b"ok"
+            async with session.get(proxy.admin_url + "/metrics") as resp:
+                metrics = await resp.text()
+        assert [line for _, line in upstream.served] == ["POST /after HTTP/1.1"]
+        assert upstream.served[0][0] != upstream.cut[0]
+        assert 'idemproxy_requests_total{method="POST",outcome="body_too_large",route="other"} 2.0' in metrics
+    finally:
+        upstream.close()
