@@ -11,6 +11,9 @@ can stall it. Every method is thread-safe and returns once the relay's loop has 
 - ``linger()``   bytes flow both ways, but a target that closes its end (a server ending the session after
                  its last word, a FATAL) is not seen to close by the client until ``restore()``: the client
                  has read the server's goodbye while its socket still looks open.
+- ``strand()``   every connection open now stops for good: held open, nothing forwarded either way, no close
+                 passed on (the old server of a failover that went dark: no RST, no FIN); connections opened
+                 afterwards are forwarded as usual (to the server that took over). ``restore()`` keeps them so.
 - ``restore()``  back to forwarding.
 - ``close()``    closes everything and stops the thread.
 """
@@ -35,6 +38,7 @@ class _Link:
     def __init__(self, client: asyncio.StreamWriter) -> None:
         self.client = client
         self.target: asyncio.StreamWriter | None = None
+        self.stranded = asyncio.Event()  # set: this link forwards nothing more, ever (``Relay.strand``)
 
     def abort(self) -> None:
         for writer in (self.client, self.target):
@@ -60,6 +64,7 @@ class Relay:
         self.port = 0
         self.accepted = 0  # connections accepted while forwarding (counted in the relay's loop)
         self.refused = 0  # connections accepted and closed at once while cut
+        self.stranded = 0  # connections left open and silent by strand()
         self._mode = "open"  # open | cut | stalled | muted | lingering
         self._links: set[_Link] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -68,6 +73,7 @@ class Relay:
         self._flowing: asyncio.Event | None = None
         self._answering: asyncio.Event | None = None  # clear while muted: the target's bytes are held
         self._closes: asyncio.Event | None = None  # clear while lingering: a target's end of file is held
+        self._severed: asyncio.Event | None = None  # set by cut: stranded links end with the others
         self.lingering = 0  # targets that closed while lingering (their end of file held back from the client)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"relay-{name}", daemon=True)
@@ -90,6 +96,11 @@ class Relay:
         """Requests go on reaching the target, its answers are held (until ``restore``): the target did the
         work, and its client waits for a reply that comes late, if ever."""
         self._call(self._mute())
+
+    def strand(self) -> None:
+        """The connections open now go silent for good (both ways, sockets open, nothing sent, no close passed
+        on); new ones are forwarded."""
+        self._call(self._strand())
 
     def linger(self) -> None:
         """Bytes go on flowing; a target's end of file is held back from its client (until ``restore``)."""
@@ -141,6 +152,7 @@ class Relay:
         self._answering.set()
         self._closes = asyncio.Event()
         self._closes.set()
+        self._severed = asyncio.Event()
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
@@ -152,14 +164,21 @@ class Relay:
         assert self._flowing is not None and self._answering is not None
         self._flowing.set()  # held pumps wake up, see their transports gone and end
         self._answering.set()
-        assert self._closes is not None
+        assert self._closes is not None and self._severed is not None
         self._closes.set()
+        self._severed.set()
         self._abort_all()
 
     async def _stall(self) -> None:
         self._mode = "stalled"
         assert self._flowing is not None
         self._flowing.clear()
+
+    async def _strand(self) -> None:
+        for link in self._links:
+            if not link.stranded.is_set():
+                link.stranded.set()
+                self.stranded += 1
 
     async def _mute(self) -> None:
         self._mode = "muted"
@@ -174,12 +193,16 @@ class Relay:
     async def _restore(self) -> None:
         self._mode = "open"
         assert self._flowing is not None and self._answering is not None and self._closes is not None
+        assert self._severed is not None
+        self._severed.clear()  # (links a cut severed are gone; one stranded from now on stays so)
         self._flowing.set()
         self._answering.set()
         self._closes.set()
 
     async def _shutdown(self) -> None:
         self._mode = "cut"
+        if self._severed is not None:
+            self._severed.set()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -222,7 +245,8 @@ class Relay:
                 return  # the target is down: the client sees its connection closed
             if self._mode == "cut":  # cut while connecting
                 return
-            await asyncio.gather(self._pump(reader, link.target), self._pump(target_reader, writer, answers=True))
+            await asyncio.gather(self._pump(reader, link.target, link),
+                                 self._pump(target_reader, writer, link, answers=True))
         finally:
             self._links.discard(link)
             if self._mode != "cut":
@@ -232,9 +256,11 @@ class Relay:
             if link.target is not None:
                 self._writers.discard(link.target)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answers: bool = False) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link, answers: bool = False
+    ) -> None:
         """Copy one direction until EOF or an error; EOF is passed on as a half-close. ``answers``: the target's
-        direction, held while muted."""
+        direction, held while muted. A stranded link passes on nothing from then on: no byte, no EOF, no reset."""
         assert self._flowing is not None and self._answering is not None and self._closes is not None
         try:
             while data := await reader.read(CHUNK):
@@ -243,12 +269,26 @@ class Relay:
                     await self._answering.wait()
                 if writer.transport.is_closing():
                     return
+                if link.stranded.is_set():
+                    await self._forever()
+                    return
                 writer.write(data)
                 await writer.drain()
             if answers and not self._closes.is_set():
                 self.lingering += 1
                 await self._closes.wait()
+            if link.stranded.is_set():
+                await self._forever()
+                return
             if writer.can_write_eof() and not writer.transport.is_closing():
                 writer.write_eof()
         except (OSError, RuntimeError):
+            if link.stranded.is_set():
+                await self._forever()
+                return
             writer.transport.abort()  # a broken side ends the other direction too (its read sees EOF)
+
+    async def _forever(self) -> None:
+        """A stranded link's pump: wait until the relay is cut or closed (which aborts both sockets)."""
+        assert self._severed is not None
+        await self._severed.wait()

@@ -542,6 +542,37 @@ async def test_claims_queued_behind_a_stalled_postgres_get_503_within_the_operat
     assert upstream.count() == 1  # the warm-up only
 
 
+async def test_a_failover_that_left_the_old_server_dark_fails_the_request_that_found_it_and_no_other(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
+) -> None:
+    """The address moved to a new server and the old one went dark: its packets dropped, no reset (a VIP or DNS
+    moved, the old host powered off). Each pooled connection to it was found only by its own 5 s timeout when next
+    used: the request right after the first 503, and each of a burst that reached deeper into the pool, were 503
+    after 5 s too (audit: 8 of 9), though the first timeout had shown the server gone. Now the pool replaces its
+    connections after that first timeout: new ones reach the new server. The LISTEN connection finds the silence
+    by its own sign of life and listens on the new server."""
+    parts = urlsplit(clean_pg)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        proxy = await make_proxy(storage_section={"postgres": {"dsn": via(relay, clean_pg), "pool_min": 10,
+                                                               "pool_max": 10}})
+        store = durable(proxy)
+        assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+        await until(lambda: store._pool.get_size() == 10 and store.notifications_live())
+        listener = store._listener
+        relay.strand()  # every connection open now goes silent for good; new ones reach the server
+        assert relay.stranded == 11
+        status, took = await timed_post(proxy, "found-it")
+        assert status == 503 and took >= 4.9, (status, took)  # its connection was dead: nothing told it sooner
+        after = [await timed_post(proxy, "next"),
+                 *await asyncio.gather(*(timed_post(proxy, f"burst-{n}") for n in range(8)))]
+        assert [status for status, _ in after] == [201] * 9, after
+        await until(lambda: store.notifications_live() and store._listener is not listener)
+        # the claim that found it may have landed (its answer lost): released in the background, on a new connection
+        await until(lambda: proxy.proxy.metrics.registry.get_sample_value("idemproxy_pending_settles") == 0)
+    assert upstream.count(key="found-it") == 0
+    assert all(upstream.count(key=key) == 1 for key in ["next", *(f"burst-{n}" for n in range(8))])
+
+
 async def timed_post(proxy: RunningProxy, key: str) -> tuple[int, float]:
     """A covered POST's status, and how long its answer took."""
     loop = asyncio.get_running_loop()

@@ -122,6 +122,26 @@ async def test_stall_holds_bytes_until_restore(echo: Echo) -> None:
 
 
 
+async def test_strand_silences_the_open_connections_for_good_and_forwards_new_ones(echo: Echo) -> None:
+    with Relay("127.0.0.1", echo.port, name="echo") as relay:
+        async with connected(relay.port) as (reader, writer):
+            assert await round_trip(reader, writer, b"one") == b"one"
+            relay.strand()
+            async with connected(relay.port) as (new_reader, new_writer):  # the address answers again at once
+                assert await round_trip(new_reader, new_writer, b"new") == b"new"
+            writer.write(b"two")
+            writer.write_eof()  # neither its bytes nor its end of file reach the target
+            await writer.drain()
+            relay.restore()  # (a stranded connection stays so)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.read(1), 0.3)  # no byte, no close, no reset comes back
+            assert relay.open_connections() == 1 and relay.stranded == 1
+            await wait_for(lambda: echo.ended == 1)  # (the new connection's end; the stranded one's never came)
+            relay.cut()
+            assert await read_until_closed(reader) == b""
+        await wait_for(lambda: relay.open_connections() == 0)
+
+
 async def test_linger_passes_the_targets_last_bytes_and_holds_its_close_until_restore(echo: Echo) -> None:
     with Relay("127.0.0.1", echo.port, name="echo") as relay:
         async with connected(relay.port) as (reader, writer):

@@ -483,6 +483,9 @@ OPEN_RETRY_FIRST = 0.5  # seconds before the first attempt to open a store that 
 OPEN_RETRY_MAX = 5.0  # seconds between attempts at most (the wait doubles from OPEN_RETRY_FIRST)
 OPEN_WARN_INTERVAL = 60.0  # seconds between warnings that it is still not reachable
 LISTEN_PING = 1.0  # seconds between signs of life asked of the LISTEN connection (a SELECT 1), and its timeout
+# After a statement of ours got no answer in its time, the pool's other connections are replaced as each is next
+# used (Pool.expire_connections), at most once per this many seconds (see PostgresStore._silent).
+EXPIRE_INTERVAL = OPERATION_TIMEOUT
 LISTEN_LIVE_WINDOW = 2.5  # seconds without an answer on it after which notifications count as lost
 
 
@@ -874,6 +877,7 @@ class PostgresStore(Store):
         self._waiting = 0  # operations other than batches waiting for a pooled connection
         self._spare_timer: asyncio.TimerHandle | None = None
         self._returning: set[asyncio.Task[Any]] = set()
+        self._expired = float("-inf")  # when the pool's connections were last expired (monotonic)
 
     async def _init_connection(self, conn: Any) -> None:
         # A SET, not a startup parameter: connection poolers refuse startup parameters they do not know. A
@@ -1086,26 +1090,52 @@ class PostgresStore(Store):
         try:
             yield conn
         except BaseException as exc:
-            # asyncpg may already have taken back a connection closed mid-operation: then terminate() on
-            # our handle refuses, and the connection is gone anyway.
-            with contextlib.suppress(Exception):
-                conn.terminate()
-            with contextlib.suppress(Exception):
-                await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
-            if isinstance(exc, _DATA_ERRORS) and operation == "claim":  # the request's own key or tenant
-                raise StoreRejected("The idempotency key or tenant cannot be stored.") from exc
-            if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
-                if _unsent(exc):
-                    log.info("postgres %s: a pooled connection the server had ended was discarded before use (%s)",
-                             operation, exc)
-                    raise _Unsent() from exc
-                raise _unavailable(operation, exc, quiet=self._opening_quietly(operation)) from exc
+            await self._discard(operation, conn, exc)
             raise
         if spare and len(self._spares) < self._max_spares and not self._waiting and not self._closing.is_set():
             self._keep_spare(conn)
             return
         with contextlib.suppress(Exception):
             await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
+
+    async def _discard(self, operation: str, conn: Any, exc: BaseException) -> None:
+        """``conn``, interrupted by ``exc``, terminated and given back; ``exc`` translated (raised from here)."""
+        # asyncpg may already have taken back a connection closed mid-operation: then terminate() on
+        # our handle refuses, and the connection is gone anyway.
+        with contextlib.suppress(Exception):
+            conn.terminate()
+        with contextlib.suppress(Exception):
+            await self._pool.release(conn, timeout=OPERATION_TIMEOUT)
+        if isinstance(exc, TimeoutError):  # the driver's: a statement with no answer in OPERATION_TIMEOUT
+            await self._silent(operation)
+        if isinstance(exc, _DATA_ERRORS) and operation == "claim":  # the request's own key or tenant
+            raise StoreRejected("The idempotency key or tenant cannot be stored.") from exc
+        if isinstance(exc, Exception) and not isinstance(exc, StoreUnavailable):
+            if _unsent(exc):
+                log.info("postgres %s: a pooled connection the server had ended was discarded before use (%s)",
+                         operation, exc)
+                raise _Unsent() from exc
+            raise _unavailable(operation, exc, quiet=self._opening_quietly(operation)) from exc
+
+    async def _silent(self, operation: str) -> None:
+        """A statement of ours got no answer within its time: the server, or the path to it, may be gone without a
+        word (a failover that moved the address and left the old host dark drops packets, no reset). Each pooled
+        connection to it would be found only by its own timeout when next used: one failed request each, one
+        after the other. So the pool's connections are all replaced as each is next used (an idle one is closed
+        and a new one opened in its stead, to wherever the address leads now; one in use is closed when given
+        back), and those batches kept aside are given back.
+
+        A false alarm (a server merely slow: PostgreSQL cancels our statements itself at STATEMENT_TIMEOUT, so one
+        that outlasts it is rare, but a claim that waited for the pool has less time left) costs one new
+        connection per pooled one, so it is done at most once per EXPIRE_INTERVAL."""
+        now = time.monotonic()
+        if self._pool is None or now - self._expired < EXPIRE_INTERVAL:
+            return
+        self._expired = now
+        log.warning("postgres %s got no answer in time: the pool's connections are replaced as each is next used "
+                    "(the server may have gone silent: a failover, a link that drops packets)", operation)
+        await self._pool.expire_connections()
+        self._return_spares(float("inf"))
 
     def _opening_quietly(self, operation: str) -> bool:
         """The background opener's own set-up: its failures are logged by it, once a minute."""
@@ -1207,6 +1237,8 @@ class PostgresStore(Store):
                 try:
                     return await self._claims.call((tenant, key, fingerprint, token, lease, ttl))
                 except CallTimeout as exc:  # (5 s after the call: the batcher's timeout)
+                    if exc.sent:
+                        await self._silent("claim")
                     raise _unavailable("claim", exc, maybe_applied=exc.sent) from exc
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
         sent = False  # (a claim still waiting for the pool when its time ran out was never sent)
@@ -1227,6 +1259,8 @@ class PostgresStore(Store):
 
                     return await self._live("claim", attempt)
             except TimeoutError as exc:  # (the connection, interrupted, was discarded by _connection)
+                if sent:
+                    await self._silent("claim")
                 raise _unavailable("claim", exc, maybe_applied=sent) from exc
 
     async def _refresh_layout(self) -> None:
