@@ -1,8 +1,10 @@
 """A TCP relay a test can cut: the network between the proxies and a store, made of real sockets.
 
-``Relay(host, port)`` listens on a free 127.0.0.1 port and forwards bytes both ways to ``host:port``. It runs
-in a thread of its own with its own event loop, so neither a test's blocking calls nor a proxy in a subprocess
-can stall it. Every method is thread-safe and returns once the relay's loop has done the work (bounded waits):
+``Relay(host, port)`` listens on a free 127.0.0.1 port and forwards bytes both ways to ``host:port``. Its port is
+opened by the thread that makes it, in that thread's network namespace (tests/netns.py); it connects to the
+target from a thread of its own, in the namespace the process started in, with its own event loop, so neither a
+test's blocking calls nor a proxy in a subprocess can stall it. Every method is thread-safe and returns once the
+relay's loop has done the work (bounded waits):
 
 - ``cut()``      closes every open connection at once (both sides) and, until ``restore()``, closes each new
                  one as soon as it is accepted: a network partition as the peers see it (EOF / reset).
@@ -22,9 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from tests import netns
 
 _T = TypeVar("_T")
 
@@ -78,7 +83,13 @@ class Relay:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"relay-{name}", daemon=True)
         self._thread.start()
-        self._call(self._listen())
+        # Made here, in the caller's network namespace. IPPROTO_TCP named, as asyncio's own listeners do: the
+        # connections accepted then get TCP_NODELAY from asyncio (with proto 0 they would not, and Nagle's wait
+        # would hold a server's last bytes back).
+        listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        listening.bind(("127.0.0.1", 0))
+        self.port = int(listening.getsockname()[1])
+        self._call(self._listen(listening))
 
     # ------------------------------------------------------------------ public, any thread
 
@@ -112,6 +123,10 @@ class Relay:
     def open_connections(self) -> int:
         return self._call(self._count())
 
+    def client_ports(self) -> list[int]:
+        """The clients' own ports of the connections open now (to drop their packets: tests/netns.py)."""
+        return self._call(self._client_ports())
+
     def close(self) -> None:
         if not self._thread.is_alive():
             return
@@ -132,6 +147,7 @@ class Relay:
     # ------------------------------------------------------------------ the relay's thread
 
     def _run(self) -> None:
+        netns.at_home()  # (made inside a private network: the target is reached from outside it)
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
         pending = [task for task in asyncio.all_tasks(self._loop) if not task.done()]
@@ -145,7 +161,7 @@ class Relay:
     def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(CALL_TIMEOUT)
 
-    async def _listen(self) -> None:
+    async def _listen(self, listening: socket.socket) -> None:
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._answering = asyncio.Event()
@@ -153,11 +169,13 @@ class Relay:
         self._closes = asyncio.Event()
         self._closes.set()
         self._severed = asyncio.Event()
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self._server = await asyncio.start_server(self._accept, sock=listening)
 
     async def _count(self) -> int:
         return len(self._links)
+
+    async def _client_ports(self) -> list[int]:
+        return [int(link.client.get_extra_info("peername")[1]) for link in self._links]
 
     async def _cut(self) -> None:
         self._mode = "cut"

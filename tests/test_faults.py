@@ -30,6 +30,7 @@ from idemproxy.store.embedded import EmbeddedStore
 from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import LOCK_MAX, YOUNG_LOCK, RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, _admin_sql, empty_records
+from tests.netns import drop, private_network
 from tests.relay import Relay
 from tests.servers import PostgresServer, RedisServer
 from tests.test_concurrency import fire
@@ -571,6 +572,31 @@ async def test_a_failover_that_left_the_old_server_dark_fails_the_request_that_f
         await until(lambda: proxy.proxy.metrics.registry.get_sample_value("idemproxy_pending_settles") == 0)
     assert upstream.count(key="found-it") == 0
     assert all(upstream.count(key=key) == 1 for key in ["next", *(f"burst-{n}" for n in range(8))])
+
+
+async def test_pooled_connections_to_a_server_gone_dark_are_closed_before_a_request_finds_them(clean_pg: str) -> None:
+    """The same failover with the old server dark for real: the kernel drops every packet of the connections made
+    to it, as a host powered off would. Nothing told the pool: its idle connections stood until a request used
+    each one and waited out its 5 s. With TCP keepalive the kernel finds them silent within seconds and closes
+    them, so no request pays: the next ones open new connections, which reach the new server."""
+    parts = urlsplit(clean_pg)
+    with private_network(), Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        store = PostgresStore(PostgresConfig(dsn=SecretURL(via(relay, clean_pg)), pool_min=5, pool_max=5),
+                              listen=True)
+        await store.open()
+        try:
+            await until(lambda: store._pool.get_size() == 5 and store.notifications_live())
+            listener, accepted = store._listener, relay.accepted
+            drop(relay.client_ports())  # the pool's and the LISTEN connection: dark; new ones pass
+            # closed by the kernel with no request asking, and opened anew by the pool (pool_min) and the listener
+            await until(lambda: relay.accepted >= accepted + 6, timeout=15)
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            claims = await asyncio.gather(*(store.claim("t", f"after-{n}", "fp", lease=5, ttl=60) for n in range(5)))
+            assert all(claim.owned for claim in claims) and loop.time() - began < 2
+            await until(lambda: store.notifications_live() and store._listener is not listener)
+        finally:
+            await store.close()
 
 
 async def timed_post(proxy: RunningProxy, key: str) -> tuple[int, float]:

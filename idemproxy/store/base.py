@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, field, fields
 from enum import StrEnum
 from types import FunctionType
-from typing import ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 from idemproxy.metrics import Metrics, StoreMetrics
 from idemproxy.problems import RecordUnreadable, StoreUnavailable
@@ -223,6 +224,35 @@ def step_bounds(timeout: float | None) -> Callable[[float], float]:
         return lambda step: step
     deadline = time.monotonic() + timeout
     return lambda step: min(step, max(deadline - time.monotonic(), 0.0))
+
+
+# TCP keepalive on the stores' own connections (the drivers set none): a server gone dark without a word (a host
+# powered off, an address moved by a failover: packets dropped, no reset) is found by the kernel on an idle
+# connection within about KEEPALIVE_IDLE + KEEPALIVE_INTERVAL * KEEPALIVE_COUNT seconds (or the user timeout, where
+# there is one) and the connection closed, so the next request opens a new one instead of waiting out its timeout
+# on it. A server that is alive answers the probes from its kernel, however slow its statements: no false alarm.
+# Each idle connection costs one probe and its acknowledgement every KEEPALIVE_IDLE seconds.
+KEEPALIVE_IDLE = 2
+KEEPALIVE_INTERVAL = 1
+KEEPALIVE_COUNT = 3
+
+
+def keep_alive(transport: Any, user_timeout: float) -> None:
+    """TCP keepalive on ``transport``'s socket, and TCP_USER_TIMEOUT (Linux): data it sent that stays
+    unacknowledged ``user_timeout`` seconds ends the connection (a graceful close to a dark server, say, which
+    would otherwise wait out the kernel's retransmissions, about 15 minutes). Nothing for a unix socket."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT), ("TCP_USER_TIMEOUT", int(user_timeout * 1000))):
+        option = getattr(socket, name, None)  # (not every platform has each)
+        if option is not None:
+            options.append((socket.IPPROTO_TCP, option, value))
+    for level, option, value in options:
+        with contextlib.suppress(OSError):  # (an option the platform refuses: the connection is good without it)
+            sock.setsockopt(level, option, value)
 
 
 def new_token() -> str:

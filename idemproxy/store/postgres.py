@@ -27,6 +27,7 @@ from idemproxy.store.base import (
     State,
     Store,
     StoredResponse,
+    keep_alive,
     new_token,
     step_bounds,
 )
@@ -486,6 +487,9 @@ LISTEN_PING = 1.0  # seconds between signs of life asked of the LISTEN connectio
 # After a statement of ours got no answer in its time, the pool's other connections are replaced as each is next
 # used (Pool.expire_connections), at most once per this many seconds (see PostgresStore._silent).
 EXPIRE_INTERVAL = OPERATION_TIMEOUT
+# Unacknowledged data ends a connection after this long (base.keep_alive): past the driver's own timeout, so a
+# statement with no answer is still told by that (PostgresStore._silent), and the kernel ends what it leaves.
+USER_TIMEOUT = OPERATION_TIMEOUT + 1
 LISTEN_LIVE_WINDOW = 2.5  # seconds without an answer on it after which notifications count as lost
 
 
@@ -880,6 +884,7 @@ class PostgresStore(Store):
         self._expired = float("-inf")  # when the pool's connections were last expired (monotonic)
 
     async def _init_connection(self, conn: Any) -> None:
+        keep_alive(conn._transport, USER_TIMEOUT)  # (asyncpg has no option for it, nor a public transport)
         # A SET, not a startup parameter: connection poolers refuse startup parameters they do not know. A
         # stricter timeout the operator set (on the role, the database, the DSN's options) is kept.
         await conn.execute(_STATEMENT_TIMEOUT_SQL)
@@ -1022,6 +1027,7 @@ class PostgresStore(Store):
         an error (a partition: no FIN, no RST) is found by asking it for a sign of life every second; until one
         comes within ``LISTEN_LIVE_WINDOW`` the notifications count as lost (``notifications_live``), as the
         Redis subscriber's do."""
+        keep_alive(conn._transport, USER_TIMEOUT)  # (its close to a dark server, too, is then bounded)
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _conn: lost.set())
         self._listener = conn
