@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import sqlite3
+import struct
+import termios
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -597,6 +600,55 @@ async def test_pooled_connections_to_a_server_gone_dark_are_closed_before_a_requ
             await until(lambda: store.notifications_live() and store._listener is not listener)
         finally:
             await store.close()
+
+
+def unread(sock: Any) -> int:
+    """Bytes that arrived on ``sock`` and its owner has not read yet."""
+    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+
+
+async def test_retries_on_dead_pooled_connections_share_the_operation_timeout(clean_pg: str) -> None:
+    """An operation handed a pooled connection the server had ended tries again on another: up to pool_max more
+    times, each try waiting up to 5 s for a connection of its own (pool_max x 5 s in all). Here the pool's one
+    connection is busy for 3 s and given back dead (the server ends its session as it finishes: the driver reads
+    the goodbye, the relay holds the close), and the server is then slow to take a new connection: a read waited
+    3 s, found the connection dead, then waited 5 s more for a new one (a 503 after 8 s). The tries now share the
+    5 s a claim has, and the failure is still a 503."""
+    parts = urlsplit(clean_pg)
+    admin = await asyncpg.connect(clean_pg)
+    relay = Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg")
+    store = PostgresStore(PostgresConfig(dsn=SecretURL(via(relay, clean_pg)), pool_min=1, pool_max=1))
+    try:
+        await store.open()
+        relay.linger()
+        started = asyncio.Event()
+
+        async def busy(conn: Any) -> None:
+            """Hold the pooled connection 3 s, then give it back dead, the server slow to take a new one."""
+            started.set()
+            await conn.execute("SELECT pg_sleep(3)")
+            ends = relay.lingering
+            await admin.execute("SELECT pg_terminate_backend($1)", conn.get_server_pid())
+            sock = conn._transport.get_extra_info("socket")
+            await until(lambda: relay.lingering > ends and unread(sock) == 0)  # its goodbye read, no close yet
+            relay.stall()  # new connections are accepted and kept waiting
+
+        holder = asyncio.ensure_future(store._live("busy", busy))
+        await started.wait()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(StoreUnavailable) as failed:
+            await store.get("t", "k")
+        took = loop.time() - began
+        assert not failed.value.maybe_applied
+        assert took < 5.5, took
+        await holder
+        relay.restore()
+        assert await store.get("t", "k") is None
+    finally:
+        await store.close()
+        relay.close()
+        await admin.close()
 
 
 async def timed_post(proxy: RunningProxy, key: str) -> tuple[int, float]:

@@ -1069,14 +1069,16 @@ class PostgresStore(Store):
             yield conn
 
     @contextlib.asynccontextmanager
-    async def _connection(self, operation: str, *, spare: bool = False) -> AsyncIterator[Any]:
+    async def _connection(
+        self, operation: str, *, spare: bool = False, wait: float = OPERATION_TIMEOUT
+    ) -> AsyncIterator[Any]:
         """A pooled connection. Every failure is translated here: the request's own data refused →
         StoreRejected; anything else the driver or the server can do (refused or dropped connections, timeouts,
         shutdown, an exhausted pool, a protocol state error) → StoreUnavailable. A connection interrupted in the
         middle of an operation (error, timeout or cancellation) is terminated, never handed out again: a
         pooled connection with an operation still pending fails the next user with "another operation is in
         progress". With ``spare`` (batches), a connection an earlier batch left aside is taken first, and this
-        one is left aside in turn when all went well."""
+        one is left aside in turn when all went well. ``wait``: for a connection from the pool, at most."""
         if not self._usable and operation != "open":  # not open yet (unreachable at start): nothing was sent
             raise StoreUnavailable("The idempotency store (PostgreSQL) is unavailable.", maybe_applied=False)
         conn = self._spare() if spare else None
@@ -1086,7 +1088,7 @@ class PostgresStore(Store):
             try:
                 if not spare and self._spares and self._pool_exhausted():
                     self._return_spares(float("inf"))  # the pool is empty: what batches left aside is ours first
-                conn = await self._pool.acquire(timeout=OPERATION_TIMEOUT)
+                conn = await self._pool.acquire(timeout=wait)
             except Exception as exc:
                 raise _unavailable(operation, exc, maybe_applied=False, quiet=self._opening_quietly(operation)) \
                     from exc
@@ -1190,13 +1192,22 @@ class PostgresStore(Store):
         """``run`` an operation on a pooled connection; on another one when that was found dead before anything of
         the operation was sent (``_Unsent``). A dead connection is discarded as it is found, and the pool holds at
         most ``pool_max`` (those kept aside included), so that many more tries reach a new one even when the
-        server ended them all at once; a failure of any other kind is final."""
+        server ended them all at once; a failure of any other kind is final.
+
+        The tries share one budget, OPERATION_TIMEOUT from the call, as a claim's wait and statement do: each try
+        waits for its connection only as long as is left of it, and none starts once it is spent (each could
+        otherwise wait its own 5 s for a connection and be handed a dead one again: pool_max times 5 s). A
+        statement once sent is not cut short: it keeps its own bound, past which the server has given up on it,
+        so it cannot land after its caller was told it failed (a completion that did was then read as refused)."""
+        began = time.monotonic()
+        wait = OPERATION_TIMEOUT
         for tries_left in range(self.config.pool_max, -1, -1):
             try:
-                async with self._connection(operation, spare=spare) as conn:
+                async with self._connection(operation, spare=spare, wait=wait) as conn:
                     return await run(conn)
             except _Unsent:
-                if not tries_left:
+                wait = began + OPERATION_TIMEOUT - time.monotonic()
+                if not tries_left or wait <= 0:
                     raise
         raise AssertionError("unreachable")
 
