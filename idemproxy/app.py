@@ -535,7 +535,25 @@ class _ProblemRequestHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         # One attribute per read, no timer: it tells ``check_pace`` a head has begun on a connection it saw idle.
         self.fed = True
+        if self._close and not self._force_close:  # (closing: at shutdown, or after a refused head)
+            self._received_closing(data)
+            return
         _DATA_RECEIVED(self, data)
+
+    def _received_closing(self, data: bytes) -> None:
+        """Bytes that came once this connection was told to close after its request in progress: aiohttp drops
+        them all (at shutdown ``pre_shutdown`` closes every connection, and ``Proxy.finish_requests`` then lets the
+        requests in progress finish), the rest of that request's body too: it would never come whole, and its
+        client, still sending, would get 408 from ``listen.body_timeout``. That body is still read; nothing after it
+        is parsed for an answer (the connection closes after this one)."""
+        request = self._current_request
+        if request is None or request.content.is_eof():
+            return
+        self._close = False
+        try:
+            _DATA_RECEIVED(self, data)
+        finally:
+            self._close = True
 
     def check_pace(self, now: float, limits: ListenConfig) -> None:
         """The server's look at this connection (``_Server``, every tick): a request head that has not come whole

@@ -593,3 +593,51 @@ async def test_a_pass_through_upload_that_stalls_gets_408_and_frees_its_upstream
         assert 'idemproxy_requests_total{method="POST",outcome="body_too_large",route="other"} 2.0' in metrics
     finally:
         upstream.close()
+
+
+async def test_a_body_still_coming_at_shutdown_is_read_whole_and_its_request_served(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """At shutdown the requests in progress get shutdown_timeout to finish, but aiohttp's pre_shutdown closes every
+    connection first, after which it drops whatever a connection still sends: the rest of a body being uploaded
+    too. Such a request hung until shutdown_timeout cut it; with listen.body_timeout it got 408 request_timeout,
+    "no byte of the request body came", for a client that was sending. The body of the request in progress is
+    now read to its end, and the request served; nothing after it is (the connection closes after the answer)."""
+    proxy = proxy_process({**embedded(upstream, tmp_path), "drain_delay": "0s", "shutdown_timeout": "10s",
+                           "listen": {"body_timeout": "1s"}})
+    await proxy.start()
+    assert proxy.proc is not None
+    covered = (b"POST /pay HTTP/1.1\r\nHost: a\r\nAuthorization: t\r\nIdempotency-Key: drained\r\n"
+               b"Content-Length: 20\r\nExpect: 100-continue\r\n\r\n")
+    streamed = (b"POST /stream/upload HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n"
+                b"Expect: 100-continue\r\n\r\n")
+    idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    connections = [await asyncio.open_connection("127.0.0.1", proxy.port) for _ in range(2)]
+    try:
+        idle_writer.write(b"GET /plain HTTP/1.1\r\nHost: a\r\n\r\n")
+        await read_answer(idle_reader)  # served; the connection stays open, idle
+        for (reader, writer), head, half in zip(connections, (covered, streamed),
+                                                (b"x" * 10, b"4000\r\n" + b"s" * 0x4000 + b"\r\n"), strict=True):
+            writer.write(head)
+            async with asyncio.timeout(10):
+                assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"  # being read
+            writer.write(half)
+            await writer.drain()
+        proxy.proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):  # closed by the shutdown's first step: every connection is closing now
+            assert await idle_reader.read() == b""
+        for (_, writer), rest in zip(connections, (b"y" * 10, b"4000\r\n" + b"t" * 0x4000 + b"\r\n0\r\n\r\n"),
+                                     strict=True):
+            writer.write(rest)
+        answers = []
+        for reader, _ in connections:
+            async with asyncio.timeout(10):
+                answers.append(parse_response(await reader.read()))  # answered, then closed
+    finally:
+        idle_writer.close()
+        for _, writer in connections:
+            writer.close()
+    assert [answer.status for answer in answers] == [201, 200], answers
+    assert json.loads(answers[1].body)["size"] == 2 * 0x4000
+    assert [e.body for e in upstream.executed if e.path_qs == "/pay"] == [b"x" * 10 + b"y" * 10]
+    assert await asyncio.to_thread(proxy.proc.wait, 20) == 0
