@@ -522,10 +522,13 @@ class _ProblemRequestHandler(RequestHandler):
     on_unparsed: Callable[[web.BaseRequest, int], None] = staticmethod(lambda _request, _status: None)
     request_ids = False  # (the proxy port) every answer carries a request id: the log line names it too
     limits: ListenConfig | None = None  # (the proxy port) the client's pace, looked at by ``check_pace``
-    # What ``check_pace`` noted: whether bytes came since (``fed``), the wait for a head it last saw (the number of
-    # requests parsed by then; -1: none) and when the head it waits for was due to start; the body it last saw
-    # being read, how much of it had come then and since when.
-    fed = False
+    # What each read notes (``data_received``): the number of requests parsed when bytes last came that may be a
+    # head's (-1: none yet), and the body of the last request parsed, whose bytes are not a head's until it ends.
+    fed_at = -1
+    _reading: StreamReader = EMPTY_PAYLOAD
+    # What ``check_pace`` noted: the wait for a head it last saw (the number of requests parsed by then; -1: none)
+    # and when the head it waits for was due to start; the body it last saw being read, how much of it had come
+    # then and since when.
     _waited = -1
     _head_since = 0.0
     _body: StreamReader | None = None
@@ -533,12 +536,19 @@ class _ProblemRequestHandler(RequestHandler):
     _body_since = 0.0
 
     def data_received(self, data: bytes) -> None:
-        # One attribute per read, no timer: it tells ``check_pace`` a head has begun on a connection it saw idle.
-        self.fed = True
+        # No timer, a few attributes per read: bytes that come once the last request's body came whole (or before
+        # any request) are a head's, the next one's: ``check_pace`` tells a head begun from an idle wait by them,
+        # whenever they came (while the request before was served, or right after its answer). (aiohttp calls this
+        # with no bytes itself, to parse what it held back while reading was paused: no byte came then.)
+        requests = self._request_count
+        if data and self._reading.is_eof():
+            self.fed_at = requests
         if self._close and not self._force_close:  # (closing: at shutdown, or after a refused head)
             self._received_closing(data)
             return
         _DATA_RECEIVED(self, data)
+        if self._request_count != requests:  # a head came whole: its body's bytes are not a head's
+            self._reading = self._messages[-1][1]
 
     def _received_closing(self, data: bytes) -> None:
         """Bytes that came once this connection was told to close after its request in progress: aiohttp drops
@@ -560,9 +570,9 @@ class _ProblemRequestHandler(RequestHandler):
         ``listen.header_timeout`` after it began is answered 408 and the connection closed; a new connection that
         sent nothing at all by then is closed (no request to answer, as nginx does). A head began when the
         connection's first byte came (its accept, for the first head: a client connects to send one), or when a
-        byte came after a look found the connection waiting idle: seen at a tick, so counted from that tick, never
-        early. Bytes of a head sent right after an answer and then nothing more go unseen: that connection waits
-        as an idle one, for ``listen.keepalive_timeout`` (aiohttp's own check). A request body: ``_watch_body``."""
+        byte came once the request before it had come whole (its body too): seen at a tick, so counted from that
+        tick, never early; a connection waiting for a head none of whose bytes came waits as an idle one, for
+        ``listen.keepalive_timeout`` (aiohttp's own check). A request body: ``_watch_body``."""
         request = self._current_request
         if request is not None:
             self._waited = -1
@@ -574,13 +584,12 @@ class _ProblemRequestHandler(RequestHandler):
             self._waited = -1  # not waiting for a head: a request in progress or queued, or closing
             return
         requests = self._request_count
+        begun = self.fed_at == requests  # bytes of the head it waits for came
         if requests != self._waited:  # a wait this check has not seen yet
             self._waited = requests
-            self._head_since = now  # (of a new connection: its first head is due from its accept)
-            if requests:  # after an answer: idle until a byte comes (those before this look were the answered's)
-                self.fed = False
-                self._head_since = -1.0
-        elif self._head_since < 0 and self.fed:
+            # a new connection's first head is due from its accept; a later one from its first byte (idle till then)
+            self._head_since = now if begun or not requests else -1.0
+        elif self._head_since < 0 and begun:
             self._head_since = now
         if 0 <= self._head_since <= now - limits.header_timeout:
             self._head_timed_out(waiter)
@@ -603,7 +612,7 @@ class _ProblemRequestHandler(RequestHandler):
             body.set_exception(ClientStalled(timeout))
 
     def _head_timed_out(self, waiter: asyncio.Future[None]) -> None:
-        if not self.fed:  # a new connection that sent nothing
+        if self.fed_at < 0:  # a new connection that sent nothing
             self.force_close()
             return
         # Answered as aiohttp answers a head its parser refused: an error queued for this connection's task, which
