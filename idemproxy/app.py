@@ -38,7 +38,7 @@ from idemproxy.problems import (
     problem_middleware,
     render_problems,
 )
-from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPSTREAM_SERVER, Upstreams
+from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPLOAD_ANSWERED, UPSTREAM_SERVER, Upstreams
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
 from idemproxy.tracing import build_tracer
@@ -598,10 +598,11 @@ class _ProblemRequestHandler(RequestHandler):
         """A request body the proxy waits for that has not moved for ``listen.body_timeout``: its stream fails with
         :class:`ClientStalled`, and whoever reads it answers 408 (and cuts a pass-through's upstream connection,
         never reused). Only time waiting on the client counts: a body held up by the proxy (bytes come and not read
-        yet, as while the upstream takes a streamed upload slowly) or waiting for its interim 100 is not stalled.
+        yet, as while the upstream takes a streamed upload slowly) or waiting for its interim 100 is not stalled,
+        nor is the rest of a pass-through upload the upstream already answered (its answer is relayed whole).
         Progress, not a total: a slow upload that keeps moving is never cut."""
         body = request.content
-        if body.is_eof() or body.exception() is not None or request.get(CONTINUE):
+        if body.is_eof() or body.exception() is not None or request.get(CONTINUE) or request.get(UPLOAD_ANSWERED):
             self._body = None
             return
         if body is not self._body or body.total_bytes != self._body_seen or body._size:

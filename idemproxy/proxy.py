@@ -61,6 +61,11 @@ body is first read (``continue_body``), as Go's net/http does, not as the head a
 before its body is read (no key on a required route, a Content-Length over ``max_request_body``) gets its final
 answer without the client uploading a body that would be thrown away."""
 
+UPLOAD_ANSWERED = web.RequestKey("upload_answered", bool)
+"""True once the upstream answered a pass-through upload still streaming to it (an early answer): the rest of its
+body is no longer waited for (``listen.body_timeout`` does not cut it), so a client that stops sending then is not
+cut mid-answer. What is left of the upload goes with the upstream's connection when the answer ends."""
+
 _CONTINUE_LINE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 _R = TypeVar("_R", bound=web.StreamResponse)
@@ -320,6 +325,8 @@ class Upstream:
                 raise exc.problem("nothing was forwarded.") from exc
         interim = _interim_relay(request) if request.version >= HttpVersion11 else None  # (none to HTTP/1.0)
         upstream = await self.send(request, self.request_headers(request), body, interim=interim)
+        if body is not None and not isinstance(body, bytes):
+            request[UPLOAD_ANSWERED] = True
         try:
             if _small_answer(request, upstream):
                 with upstream_errors():  # nothing sent to the client yet: a broken body is a proper 502

@@ -703,3 +703,55 @@ async def test_a_head_begun_after_an_answer_is_held_to_listen_header_timeout_not
     writer.close()
     assert uploaded.startswith(b"HTTP/1.1 201") and after.startswith(b"HTTP/1.1 200"), (uploaded, after)
     assert [e.path_qs for e in upstream.executed] == ["/first", "/second", "/upload", "/after"]
+
+
+async def test_a_pass_through_upload_the_upstream_answered_is_not_cut_when_its_body_stalls(
+    proxy_process: Factory, tmp_path: Path
+) -> None:
+    """An upstream may answer an upload before its body came whole (an early refusal, an answer streamed as the
+    body comes), and a client may stop sending then (curl does once an error answer came). listen.body_timeout
+    still failed the body's stream, which cut the upstream's connection mid-answer: the client got the answer
+    truncated, the log blamed the upstream ("upstream body broke mid-stream") and said 408 was answered when 200
+    had gone out. Once the upstream answered, the rest of the upload is not waited for: the answer is relayed
+    whole, as before listen.body_timeout."""
+    async def answer_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")  # the head only: the body is not read
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for n in range(8):
+                writer.write(b"6\r\npart-%d\r\n" % n)
+                await writer.drain()
+                await asyncio.sleep(0.2)  # (the upstream's pace: 1.6 s in all, four times body_timeout)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer_at_once, "127.0.0.1", 0)
+    try:
+        proxy = proxy_process({"upstream": {"url": f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"},
+                               "storage": {"embedded": {"path": str(tmp_path / "s.sqlite3")}},
+                               "log": {"access": "info"}, "listen": {"body_timeout": "400ms"}})
+        await proxy.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        try:
+            writer.write(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 200000\r\n\r\n" + b"u" * 1000)
+            await writer.drain()  # then nothing more, still connected
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = await reader.readuntil(b"\r\n0\r\n\r\n")
+        finally:
+            writer.close()
+    finally:
+        server.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert parse_response(head + body).body == b"".join(b"part-%d" % n for n in range(8))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while "POST /upload 200 passthrough" not in proxy.log():  # (the access line follows the answer's end)
+        assert loop.time() < deadline, proxy.log()
+        await asyncio.sleep(0.05)
+    log = proxy.log()
+    assert "answering 408" not in log and "broke mid-stream" not in log, log
