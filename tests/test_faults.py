@@ -602,6 +602,70 @@ async def test_pooled_connections_to_a_server_gone_dark_are_closed_before_a_requ
             await store.close()
 
 
+async def backends(store: PostgresStore, connections: int) -> set[int]:
+    """The server processes behind the pool's connections (that many used at once)."""
+    return set(await asyncio.gather(*(store._live("pid", lambda conn: conn.fetchval(
+        "SELECT pg_backend_pid() FROM pg_sleep(0.2)")) for _ in range(connections))))
+
+
+async def test_claims_that_only_waited_for_an_exhausted_pool_leave_its_connections_alone(
+    clean_pg: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Claims in batches, the pool's two connections busy with reads of 3 s each (answered well within the
+    server's statement timeout) and two more reads waiting for them: a claim's batch left the queue and waited
+    for a connection until the claim's 5 s ran out. Nothing of it had reached the server, yet it was taken as a
+    statement left unanswered: the pool's connections were all replaced (and a warning said the server may have
+    gone silent), once per 5 s for as long as the pool stayed busy. Only a statement on the wire past the server's
+    own statement timeout is a sign of silence."""
+    store = PostgresStore(PostgresConfig(dsn=SecretURL(clean_pg), pool_min=2, pool_max=2))
+    await store.open()
+    try:
+        assert store.batching
+        before = await backends(store, 2)
+        reads = [asyncio.ensure_future(store._live("get", lambda conn: conn.execute("SELECT pg_sleep(3)")))
+                 for _ in range(4)]
+        await until(lambda: store._pool.get_idle_size() == 0)
+        with caplog.at_level(logging.WARNING, "idemproxy"), pytest.raises(StoreUnavailable):
+            await store.claim("t", "waited-for-the-pool", "fp", lease=5, ttl=60)
+        await asyncio.gather(*reads)
+        assert "got no answer in time" not in caplog.text
+        # the same connections: none was replaced (one may be busy meanwhile releasing the abandoned claim)
+        assert await backends(store, 2) <= before
+    finally:
+        await store.close()
+
+
+async def test_a_one_statement_claim_that_waited_for_the_pool_then_a_lock_leaves_the_pool_alone(
+    pg_one_table_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One table (claims one statement each), the pool's two connections busy 3 s, the table locked elsewhere:
+    the claim got a connection after 3 s and its statement waited 2 s for the lock when the claim's 5 s ran out
+    (a 503). The server was answering all along (it would have cancelled the statement itself at 4.5 s), yet the
+    pool's connections were replaced; only the claim's own, interrupted, is."""
+    dsn = await empty_records(pg_one_table_dsn)
+    store = PostgresStore(PostgresConfig(dsn=SecretURL(dsn), pool_min=2, pool_max=2, partitions="none"))
+    await store.open()
+    locker = await asyncpg.connect(dsn)
+    try:
+        assert not store.batching
+        before = await backends(store, 2)
+        lock = locker.transaction()
+        await lock.start()
+        await locker.execute("LOCK TABLE idemproxy_records IN ACCESS EXCLUSIVE MODE")
+        reads = [asyncio.ensure_future(store._live("get", lambda conn: conn.execute("SELECT pg_sleep(3)")))
+                 for _ in range(2)]
+        await until(lambda: store._pool.get_idle_size() == 0)
+        with caplog.at_level(logging.WARNING, "idemproxy"), pytest.raises(StoreUnavailable):
+            await store.claim("t", "waited-for-the-pool-then-the-lock", "fp", lease=5, ttl=60)
+        await asyncio.gather(*reads)
+        await lock.rollback()
+        assert "got no answer in time" not in caplog.text
+        assert len(await backends(store, 2) & before) == 1  # the claim's connection was replaced, the other kept
+    finally:
+        await locker.close()
+        await store.close()
+
+
 def unread(sock: Any) -> int:
     """Bytes that arrived on ``sock`` and its owner has not read yet."""
     return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])

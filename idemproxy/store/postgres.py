@@ -487,6 +487,10 @@ LISTEN_PING = 1.0  # seconds between signs of life asked of the LISTEN connectio
 # After a statement of ours got no answer in its time, the pool's other connections are replaced as each is next
 # used (Pool.expire_connections), at most once per this many seconds (see PostgresStore._silent).
 EXPIRE_INTERVAL = OPERATION_TIMEOUT
+# A statement on the wire this long with no answer is one the server would have cancelled itself and said so
+# (STATEMENT_TIMEOUT, and a margin for the answer's way back): a claim that ran out of its time sooner (it waited
+# for a pooled connection first) tells nothing of the server.
+SILENT_AFTER = STATEMENT_TIMEOUT + 0.25
 # Unacknowledged data ends a connection after this long (base.keep_alive): past the driver's own timeout, so a
 # statement with no answer is still told by that (PostgresStore._silent), and the kernel ends what it leaves.
 USER_TIMEOUT = OPERATION_TIMEOUT + 1
@@ -882,6 +886,7 @@ class PostgresStore(Store):
         self._spare_timer: asyncio.TimerHandle | None = None
         self._returning: set[asyncio.Task[Any]] = set()
         self._expired = float("-inf")  # when the pool's connections were last expired (monotonic)
+        self._on_wire: dict[int, float] = {}  # batches whose statement was written, by id: when (monotonic)
 
     async def _init_connection(self, conn: Any) -> None:
         keep_alive(conn._transport, USER_TIMEOUT)  # (asyncpg has no option for it, nor a public transport)
@@ -1134,8 +1139,9 @@ class PostgresStore(Store):
         back), and those batches kept aside are given back.
 
         A false alarm (a server merely slow: PostgreSQL cancels our statements itself at STATEMENT_TIMEOUT, so one
-        that outlasts it is rare, but a claim that waited for the pool has less time left) costs one new
-        connection per pooled one, so it is done at most once per EXPIRE_INTERVAL."""
+        that outlasts it is rare) costs one new connection per pooled one, so it is done at most once per
+        EXPIRE_INTERVAL. A claim whose time ran out is one only when its statement was on the wire SILENT_AFTER:
+        one that waited for a busy pool first tells nothing of the server."""
         now = time.monotonic()
         if self._pool is None or now - self._expired < EXPIRE_INTERVAL:
             return
@@ -1144,6 +1150,10 @@ class PostgresStore(Store):
                     "(the server may have gone silent: a failover, a link that drops packets)", operation)
         await self._pool.expire_connections()
         self._return_spares(float("inf"))
+
+    def _unanswered(self) -> bool:
+        """Whether a batch's statement has been on the wire SILENT_AFTER with no answer."""
+        return min(self._on_wire.values(), default=float("inf")) <= time.monotonic() - SILENT_AFTER
 
     def _opening_quietly(self, operation: str) -> bool:
         """The background opener's own set-up: its failures are logged by it, once a minute."""
@@ -1254,11 +1264,12 @@ class PostgresStore(Store):
                 try:
                     return await self._claims.call((tenant, key, fingerprint, token, lease, ttl))
                 except CallTimeout as exc:  # (5 s after the call: the batcher's timeout)
-                    if exc.sent:
+                    if exc.sent and self._unanswered():  # (its batch may have waited for a connection all along)
                         await self._silent("claim")
                     raise _unavailable("claim", exc, maybe_applied=exc.sent) from exc
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
         sent = False  # (a claim still waiting for the pool when its time ran out was never sent)
+        written = float("inf")  # when it was (monotonic)
         async with self.measured("claim"):  # (outside the timeout: its 503 is counted as a store error)
             try:
                 # the pool's wait and the statement share the 5 s: a claim that got the last connection late must
@@ -1266,8 +1277,8 @@ class PostgresStore(Store):
                 async with asyncio.timeout(OPERATION_TIMEOUT):
 
                     async def attempt(conn: Any) -> Any:
-                        nonlocal sent
-                        sent = True
+                        nonlocal sent, written
+                        sent, written = True, time.monotonic()
                         try:
                             return await _claimed(conn, statement, tenant, key, fingerprint, token, lease, ttl)
                         except Exception as exc:
@@ -1276,7 +1287,7 @@ class PostgresStore(Store):
 
                     return await self._live("claim", attempt)
             except TimeoutError as exc:  # (the connection, interrupted, was discarded by _connection)
-                if sent:
+                if sent and time.monotonic() - written >= SILENT_AFTER:  # (not when it waited for the pool first)
                     await self._silent("claim")
                 raise _unavailable("claim", exc, maybe_applied=sent) from exc
 
@@ -1294,8 +1305,17 @@ class PostgresStore(Store):
         by call (``idx`` counts from 1). When the statement refused one call's own data, the batch failed as a
         whole: each call is then sent alone, so only that one fails."""
         statement, arguments = statement_for(calls)
+        batch = id(arguments)
+
+        def run(conn: Any) -> Awaitable[Any]:
+            self._on_wire[batch] = time.monotonic()  # (a claim whose time runs out meanwhile looks: _unanswered)
+            return conn.fetch(statement, *arguments)  # type: ignore[no-any-return]
+
         try:
-            rows = await self._live(operation, lambda conn: conn.fetch(statement, *arguments), spare=True)
+            try:
+                rows = await self._live(operation, run, spare=True)
+            finally:
+                self._on_wire.pop(batch, None)
         except (StoreRejected, StoreUnavailable) as exc:
             if len(calls) == 1 or not isinstance(exc.__cause__, _DATA_ERRORS):
                 raise
