@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -600,6 +601,42 @@ async def test_pooled_connections_to_a_server_gone_dark_are_closed_before_a_requ
             await until(lambda: store.notifications_live() and store._listener is not listener)
         finally:
             await store.close()
+
+
+def closing() -> list[asyncio.Task[Any]]:
+    """The driver's connection closes still running in this loop (tasks of their own)."""
+    return [task for task in asyncio.all_tasks() if "Connection.close" in repr(task.get_coro())]
+
+
+async def test_the_connections_a_silence_replaces_are_closed_without_an_unheard_error(clean_pg: str) -> None:
+    """The failover above, the pool's idle connections to the silent server still open when the first timeout
+    replaced them: the pool closed each one politely, in a task of its own, as it was next handed out, and that
+    close, unanswered, failed after 5 s with nobody to hear it. asyncio then logged an error with a traceback
+    ("Task exception was never retrieved", from asyncpg's Connection.close) for each. The store now closes those
+    idle connections itself when it replaces them (and the connections batches kept aside, which no longer hold
+    their pool slots for a 5 s polite close), so the failover logs its warnings and nothing else."""
+    parts = urlsplit(clean_pg)
+    loop = asyncio.get_running_loop()
+    unheard: list[dict[str, Any]] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unheard.append(context))
+    try:
+        with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+            store = PostgresStore(PostgresConfig(dsn=SecretURL(via(relay, clean_pg)), pool_min=4, pool_max=4))
+            await store.open()
+            try:
+                await backends(store, 4)
+                relay.strand()  # the four go silent; new connections reach the server
+                with pytest.raises(StoreUnavailable):
+                    await store.get("t", "found-it")  # its statement unanswered: the pool's connections replaced
+                assert await asyncio.gather(*(store.get("t", f"after-{n}") for n in range(3))) == [None] * 3
+                await until(lambda: not closing(), timeout=10)  # (a polite close waits 5 s for an answer)
+            finally:
+                await store.close()
+        gc.collect()
+        assert not [context["message"] for context in unheard], unheard
+    finally:
+        loop.set_exception_handler(handler)
 
 
 async def backends(store: PostgresStore, connections: int) -> set[int]:

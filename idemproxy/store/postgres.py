@@ -484,8 +484,8 @@ OPEN_RETRY_FIRST = 0.5  # seconds before the first attempt to open a store that 
 OPEN_RETRY_MAX = 5.0  # seconds between attempts at most (the wait doubles from OPEN_RETRY_FIRST)
 OPEN_WARN_INTERVAL = 60.0  # seconds between warnings that it is still not reachable
 LISTEN_PING = 1.0  # seconds between signs of life asked of the LISTEN connection (a SELECT 1), and its timeout
-# After a statement of ours got no answer in its time, the pool's other connections are replaced as each is next
-# used (Pool.expire_connections), at most once per this many seconds (see PostgresStore._silent).
+# After a statement of ours got no answer in its time, the pool's other connections are replaced (the idle ones at
+# once, those in use when given back), at most once per this many seconds (see PostgresStore._silent).
 EXPIRE_INTERVAL = OPERATION_TIMEOUT
 # A statement on the wire this long with no answer is one the server would have cancelled itself and said so
 # (STATEMENT_TIMEOUT, and a margin for the answer's way back): a claim that ran out of its time sooner (it waited
@@ -1134,9 +1134,9 @@ class PostgresStore(Store):
         """A statement of ours got no answer within its time: the server, or the path to it, may be gone without a
         word (a failover that moved the address and left the old host dark drops packets, no reset). Each pooled
         connection to it would be found only by its own timeout when next used: one failed request each, one
-        after the other. So the pool's connections are all replaced as each is next used (an idle one is closed
-        and a new one opened in its stead, to wherever the address leads now; one in use is closed when given
-        back), and those batches kept aside are given back.
+        after the other. So the pool's connections are all replaced: the idle ones and those batches kept aside are
+        closed at once (the pool opens pool_min anew, to wherever the address leads now), one in use is closed
+        when given back (Pool.expire_connections).
 
         A false alarm (a server merely slow: PostgreSQL cancels our statements itself at STATEMENT_TIMEOUT, so one
         that outlasts it is rare) costs one new connection per pooled one, so it is done at most once per
@@ -1146,9 +1146,22 @@ class PostgresStore(Store):
         if self._pool is None or now - self._expired < EXPIRE_INTERVAL:
             return
         self._expired = now
-        log.warning("postgres %s got no answer in time: the pool's connections are replaced as each is next used "
-                    "(the server may have gone silent: a failover, a link that drops packets)", operation)
+        log.warning("postgres %s got no answer in time: the pool's connections are replaced, the idle ones now, "
+                    "those in use when given back (the server may have gone silent: a failover, a link that drops "
+                    "packets)", operation)
         await self._pool.expire_connections()
+        # The idle ones, and those batches kept aside, are closed here and now (a connection closed outright: its
+        # server, if it hears, ends the session as for a polite close). The pool would close an expired idle one
+        # politely as it next handed it out, in a task of its own that nobody awaits: to a silent server, that close
+        # fails after its 5 s and asyncio logs the unheard error with a traceback. A connection kept aside, given
+        # back politely, held its pool slot those 5 s.
+        for holder in getattr(self._pool, "_holders", ()):  # (asyncpg has no public way to them)
+            conn = getattr(holder, "_con", None)
+            if conn is not None and getattr(holder, "_in_use", True) is None:
+                conn.terminate()
+        for conn, _ in self._spares:
+            with contextlib.suppress(Exception):
+                conn.terminate()  # (its slot is free again once given back, below)
         self._return_spares(float("inf"))
 
     def _unanswered(self) -> bool:
