@@ -16,7 +16,7 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from email.message import Message
 from typing import Any, NoReturn
 
@@ -95,19 +95,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_path(text: str) -> str:
-    """A config file's path. An empty one (``--config "$CONFIG"`` with CONFIG unset) names no file: it was read as
-    the current directory ("cannot read the file (Is a directory)", naming no file), or, for keys, ignored."""
-    if not text:
-        raise argparse.ArgumentTypeError("is empty; give the path of a YAML config file")
-    return text
+def _given(fix: str) -> Callable[[str], str]:
+    """An argument that names something and may not be empty: ``--config "$CONFIG"`` with CONFIG unset was read as
+    the current directory ("cannot read the file (Is a directory)", naming no file), and an empty --config or
+    --admin-url of ``keys`` was ignored for the default, then blamed. Refused, saying what to ``fix``."""
+
+    def given(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"is empty; {fix}")
+        return text
+
+    return given
 
 
-def _admin_url(text: str) -> str:
-    """An empty --admin-url was ignored for the default, then blamed: "... not reachable; check --admin-url"."""
-    if not text:
-        raise argparse.ArgumentTypeError("is empty; give the proxy's admin port, such as http://127.0.0.1:9090")
-    return text
+_config_path = _given("give the path of a YAML config file")
+_admin_url = _given("give the proxy's admin port, such as http://127.0.0.1:9090")
 
 
 def _port(text: str) -> int:
