@@ -38,7 +38,7 @@ from idemproxy.problems import (
     problem_middleware,
     render_problems,
 )
-from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPLOAD_ANSWERED, UPSTREAM_SERVER, Upstreams
+from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPLOAD_ANSWERED, UPSTREAM_SERVER, Upstreams, unsent_bytes
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
 from idemproxy.tracing import build_tracer
@@ -326,6 +326,8 @@ class Proxy:
         if request_id is None:  # an answer aiohttp made without the handler: a 400 for a request it could not
             request_id = request[REQUEST_ID] = new_request_id()  # parse (its headers are not to be trusted)
         response.headers[self.config.request_id.header] = request_id
+        # (named if its client does not take it: ``_watch_send``; a _ProblemRequestHandler, no cast() call)
+        request.protocol.answering = request_id  # type: ignore[attr-defined]
 
     def admin_app(self) -> web.Application:
         app = web.Application(middlewares=[problem_middleware])
@@ -534,6 +536,13 @@ class _ProblemRequestHandler(RequestHandler):
     _body: StreamReader | None = None
     _body_seen = 0
     _body_since = 0.0
+    # The answer being written (``_watch_send``): the id of the request it answers (set as its head is made); how
+    # many bytes the client had taken at the look that last saw it take one (of which writer: its id), and since
+    # when (-1: none waiting).
+    answering = ""
+    _taken = 0
+    _taken_of = 0
+    _send_since = -1.0
 
     def data_received(self, data: bytes) -> None:
         # No timer, a few attributes per read: bytes that come once the last request's body came whole (or before
@@ -572,7 +581,13 @@ class _ProblemRequestHandler(RequestHandler):
         connection's first byte came (its accept, for the first head: a client connects to send one), or when a
         byte came once the request before it had come whole (its body too): seen at a tick, so counted from that
         tick, never early; a connection waiting for a head none of whose bytes came waits as an idle one, for
-        ``listen.keepalive_timeout`` (aiohttp's own check). A request body: ``_watch_body``."""
+        ``listen.keepalive_timeout`` (aiohttp's own check). A request body: ``_watch_body``; an answer the client
+        does not take: ``_watch_send``."""
+        if self._paused:  # (the transport's buffer is full: the client is not taking what the proxy wrote)
+            if self._watch_send(now, limits.send_timeout):
+                return
+        elif self._send_since >= 0:
+            self._send_since = -1.0
         request = self._current_request
         if request is not None:
             self._waited = -1
@@ -611,6 +626,34 @@ class _ProblemRequestHandler(RequestHandler):
             log.info("no byte of the body of %s %s for listen.body_timeout (%gs), request id %s: answering 408",
                      request.method, loggable_path(request), timeout, request.get(REQUEST_ID, ""))
             body.set_exception(ClientStalled(timeout))
+
+    def _watch_send(self, now: float, timeout: float) -> bool:
+        """An answer the client has taken no byte of for ``listen.send_timeout`` while the proxy has bytes waiting
+        for it: the connection is cut (True). Its head is gone, so nothing else can tell the client; a covered
+        answer is stored before its first byte is sent, so the retry of a request cut so is a replay.
+        aiohttp's write waits for such a client without a bound, holding the answer's bytes: a replay, or a covered
+        answer of up to ``max_stored_response``, that nobody reads. Progress, not a total: a client that keeps
+        reading, however slowly, is never cut."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        unsent = unsent_bytes(transport)
+        # What it took: what was written, less what waits. An answer the handler writes on as the client takes it
+        # (streamed) is written by the request in progress, and what waits alone may stay the same size from look
+        # to look while the client reads; one written whole (aiohttp's ``finish_response``) is written already.
+        request = self._current_request
+        writer = 0 if request is None else id(request.writer)
+        taken = (0 if request is None else request.writer.output_size) - unsent
+        if self._send_since < 0 or writer != self._taken_of or taken != self._taken:
+            self._taken, self._taken_of, self._send_since = taken, writer, now
+            return False
+        if self._send_since > now - timeout:
+            return False
+        log.info("the client took no byte of its answer for listen.send_timeout (%gs), %d bytes unsent, request id "
+                 "%s: connection closed", timeout, unsent, self.answering)
+        self._send_since = -1.0
+        transport.abort()  # (close() would wait for the client to take the bytes first)
+        return True
 
     def _head_timed_out(self, waiter: asyncio.Future[None]) -> None:
         if self.fed_at < 0:  # a new connection that sent nothing
@@ -682,7 +725,7 @@ class _Server(web.Server):
         self.on_unparsed = on_unparsed
         self.request_ids = request_ids
         self.limits = limits
-        self._tick = min(limits.header_timeout, limits.body_timeout) / 10 if limits is not None else 0.0
+        self._tick = min(limits.header_timeout, limits.body_timeout, limits.send_timeout) / 10 if limits else 0.0
         self._pace: asyncio.TimerHandle | None = None
 
     def __call__(self) -> RequestHandler:

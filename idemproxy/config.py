@@ -137,6 +137,10 @@ class ListenConfig:
     # A request body may go this long without a byte while the proxy waits for one (progress, not a total: a slow
     # upload that keeps moving is never cut), as nginx's client_body_timeout (60 s); past it, 408.
     body_timeout: float = 60.0
+    # An answer may go this long without the client taking a byte of it while the proxy has bytes waiting for it
+    # (progress, not a total: a slow reader that keeps reading is never cut), as nginx's send_timeout (60 s); past
+    # it the connection is cut (the answer's head is gone: nothing else can be said).
+    send_timeout: float = 60.0
     # How long a connection may wait for its next request (docs/deploying.md "Slow and idle clients"). aiohttp's
     # default, just over an hour: longer than a balancer's idle timeout (AWS ALB: 60 s unless raised;
     # Google's: 600 s, fixed; Envoy's: an hour), so a balancer never sends a request on a connection this proxy
@@ -827,6 +831,7 @@ _SPECS: dict[type[Any], _Spec] = {
         "port": _int(0, 65535),
         "header_timeout": _positive_duration,
         "body_timeout": _positive_duration,
+        "send_timeout": _positive_duration,
         "keepalive_timeout": _positive_duration,
     },
     AdminConfig: {

@@ -419,6 +419,18 @@ async def _stream_body(request: web.BaseRequest) -> AsyncIterator[bytes]:
 _OUTQ = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on a socket (Linux)
 
 
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """The bytes written to a client it has not taken yet: this process's buffer, and the kernel's bytes the
+    client has not acknowledged (it acknowledges what its side's buffer takes in, so as it reads). A client that
+    reads, however slowly, makes this go down."""
+    queued = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None and _OUTQ is not None:
+        with contextlib.suppress(OSError, ValueError):
+            queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
+    return int(queued)
+
+
 async def _write_patiently(
     request: web.BaseRequest, response: web.StreamResponse, chunk: bytes, patience: float | None
 ) -> None:
@@ -430,16 +442,11 @@ async def _write_patiently(
         await response.write(chunk)
         return
     write = asyncio.ensure_future(response.write(chunk))
-    sock = transport.get_extra_info("socket")
 
-    def unsent() -> int:  # this process's buffer, and the kernel's bytes the client has not acknowledged
+    def unsent() -> int:
         if transport.is_closing():  # the client left (its socket's fd may be -1 already) while the write waited
             raise ConnectionResetError("the client's connection closed mid-response")
-        queued = transport.get_write_buffer_size()
-        if sock is not None and _OUTQ is not None:
-            with contextlib.suppress(OSError, ValueError):
-                queued += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
-        return queued
+        return unsent_bytes(transport)
 
     try:
         await asyncio.sleep(0)  # the write runs first: its bytes are in the buffers measured

@@ -48,6 +48,7 @@ def test_defaults_match_the_contract() -> None:
     assert config.listen.keepalive_timeout == 3630  # aiohttp's: longer than any load balancer's idle timeout
     assert config.listen.header_timeout == 60  # nginx's client_header_timeout
     assert config.listen.body_timeout == 60  # nginx's client_body_timeout
+    assert config.listen.send_timeout == 60  # nginx's send_timeout
     assert (config.admin.host, config.admin.port) == ("127.0.0.1", 9090)
     assert config.upstream.timeout == 30 and config.upstream.connect_timeout == 5
     assert config.upstream.max_connections == 512 and config.upstream.forward_key is True
@@ -132,6 +133,7 @@ def test_sizes(text: Any, size: int) -> None:
         ({"upstream": UP, "listen": {"header_timeout": "0ms"}},
          "listen.header_timeout: '0ms' is not a duration above zero"),
         ({"upstream": UP, "listen": {"body_timeout": 0}}, "listen.body_timeout: 0 is not a duration above zero"),
+        ({"upstream": UP, "listen": {"send_timeout": "0s"}}, "listen.send_timeout: '0s' is not a duration above zero"),
         # zero is aiohttp's "no keep-alive timeout": an idle connection kept for as long as the client likes
         ({"upstream": UP, "listen": {"keepalive_timeout": 0}},
          "listen.keepalive_timeout: 0 is not a duration above zero"),
@@ -330,13 +332,16 @@ def test_secrets_are_masked_in_repr_and_check_config(tmp_path: Path) -> None:
 
 
 def test_check_config_shows_the_client_pace_limits(tmp_path: Path) -> None:
-    """listen.header_timeout, body_timeout and keepalive_timeout as in effect: given, or their defaults."""
+    """listen.header_timeout, body_timeout, send_timeout and keepalive_timeout as in effect: given, or their
+    defaults."""
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"upstream": UP, "listen": {"body_timeout": "90s", "keepalive_timeout": "75s"}}))
+    path.write_text(yaml.safe_dump({"upstream": UP, "listen": {"body_timeout": "90s", "send_timeout": "2m",
+                                                               "keepalive_timeout": "75s"}}))
     result = check_config(path)
     assert result.returncode == 0, result.stderr
     listen = yaml.safe_load(result.stdout)["listen"]
-    assert (listen["header_timeout"], listen["body_timeout"], listen["keepalive_timeout"]) == (60, 90, 75)
+    assert (listen["header_timeout"], listen["body_timeout"], listen["send_timeout"],
+            listen["keepalive_timeout"]) == (60, 90, 120, 75)
 
 
 def test_passwords_given_as_query_parameters_are_masked_too(tmp_path: Path) -> None:

@@ -755,3 +755,91 @@ async def test_a_pass_through_upload_the_upstream_answered_is_not_cut_when_its_b
         await asyncio.sleep(0.05)
     log = proxy.log()
     assert "answering 408" not in log and "broke mid-stream" not in log, log
+
+
+async def test_an_answer_the_client_takes_no_byte_of_is_cut_after_listen_send_timeout(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """aiohttp's write waits without a bound for a client that does not read: an answer the proxy writes whole (a
+    first request's, a replay) held its bytes for as long as the client kept its connection (measured: 50 clients
+    asking for a 6 MB replay and reading none of it took the proxy from 72 to 645 MiB, held for good).
+    ``listen.send_timeout`` cuts a connection whose client took no byte of its answer for that long; a slow reader
+    that keeps reading is never cut; an answer is stored before it is sent, so a cut first request's retry is a
+    replay, not a second execution."""
+    size = 6_000_000  # more than loopback's kernel buffers take in (about 3 MB): the rest waits in the proxy
+    proxy = proxy_process({**embedded(upstream, tmp_path), "listen": {"send_timeout": "500ms"},
+                           "idempotency": {"max_stored_response": "8MiB"}})
+    await proxy.start()
+
+    def pay(key: str, *, stall: float = 0.0, pause: float = 0.0) -> tuple[bytes, int, bool]:
+        """POST with ``key`` asking for ``size`` bytes; read nothing for ``stall`` s, then read it all, pausing
+        ``pause`` s after each MiB (a slow link). Returns the head, the body bytes read, and whether the connection
+        was cut before the whole answer came."""
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # (no autotuning: the client's pace shows)
+            sock.connect(("127.0.0.1", proxy.port))
+            sock.sendall(build_request(b"POST", b"/pay", [(b"Idempotency-Key", key.encode()), (b"Authorization", b"t"),
+                                                          (b"X-Test-Size", b"%d" % size)], b"{}"))
+            time.sleep(stall)  # (the client's own pace: it does not read)
+            received, paused_at = bytearray(), 0
+            sock.settimeout(10)
+            try:
+                while b"\r\n\r\n" not in received or len(received) - received.index(b"\r\n\r\n") - 4 < size:
+                    data = sock.recv(65536)
+                    if not data:
+                        break
+                    received += data
+                    if pause and len(received) >= paused_at + MiB:
+                        paused_at = len(received)
+                        time.sleep(pause)
+            except ConnectionResetError:
+                pass
+            head, _, body = bytes(received).partition(b"\r\n\r\n")
+            return head, len(body), len(body) < size
+
+    # A first request whose client reads nothing: cut; its answer was stored, so its retry is a replay (executed
+    # once), and a replay nobody reads is cut too.
+    head, _, cut = await asyncio.to_thread(pay, "k1", stall=2.0)
+    assert cut and head.startswith(b"HTTP/1.1 201"), head
+    head, _, cut = await asyncio.to_thread(pay, "k1", stall=2.0)
+    assert cut and b"Idempotent-Replayed: true" in head, head
+    # A slow reader that keeps reading, pausing 0.3 s after each MiB (for longer than listen.send_timeout in all):
+    # served whole, a first request and a replay.
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    head, got, cut = await asyncio.to_thread(pay, "k2", pause=0.3)
+    assert not cut and got == size and b"Idempotent-Replayed: false" in head, head
+    head, got, cut = await asyncio.to_thread(pay, "k1", pause=0.3)
+    assert not cut and got == size and b"Idempotent-Replayed: true" in head, head
+    assert loop.time() - started > 2 * 0.5
+    assert upstream.count(key="k1") == 1 and upstream.count(key="k2") == 1
+
+    def download(pace: float, seconds: float) -> bool:
+        """A streamed answer (upstream.timeout 20 s): read 64 KiB (the size the proxy writes it in) every ``pace``
+        s, nothing with 0, for ``seconds``; whether the proxy cut the connection meanwhile."""
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            sock.connect(("127.0.0.1", proxy.port))
+            sock.sendall(b"GET /stream/download?size=2000000000 HTTP/1.1\r\nHost: proxy\r\n\r\n")
+            sock.settimeout(5)
+            try:
+                if not pace:
+                    time.sleep(seconds)  # (the client's own pace: it reads nothing)
+                    # then it reads on: a cut connection ends within what the kernel buffers held (a few MB)
+                    return any(not sock.recv(65536) for _ in range(1000))
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    if not sock.recv(65536):
+                        return True
+                    time.sleep(pace)  # (the client's own pace: a slow link)
+            except ConnectionResetError:
+                return True
+            return False
+
+    # A streamed answer read steadily (what waits for the client may stay the same size from look to look: the
+    # proxy writes on as it reads) is not cut; one nobody reads is, at send_timeout, not at upstream.timeout.
+    assert not await asyncio.to_thread(download, 0.1, 2.0)
+    assert await asyncio.to_thread(download, 0, 2.0)
+    log = proxy.log()
+    assert log.count("the client took no byte of its answer for listen.send_timeout (0.5s)") == 3, log
+    assert "Traceback" not in log, log
