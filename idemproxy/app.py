@@ -114,8 +114,10 @@ class Proxy:
                 self.metrics.store_errors.labels("redis", operation)
         self._background: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
-        # set once the sweep at start has run (or failed): the store work of the start is over
+        # set once the sweep at start, and the first store check, have run (or failed): with both, the store work of
+        # the start is over
         self.first_sweep_done = asyncio.Event()
+        self.first_probe_done = asyncio.Event()
         self._shutdown_deadline: float | None = None  # monotonic; shutdown_timeout counted once, from the first step
 
     async def start(self) -> None:
@@ -207,7 +209,10 @@ class Proxy:
 
     async def _probe_stores_forever(self) -> None:
         while not self._stopping.is_set():
-            await self.check_stores()
+            try:
+                await self.check_stores()
+            finally:
+                self.first_probe_done.set()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), STORE_PROBE_INTERVAL)
 
