@@ -548,6 +548,17 @@ class _ProblemRequestHandler(RequestHandler):
     _taken = 0
     _taken_of = 0
     _send_since = -1.0
+    # The connection's transport, kept once aiohttp let go of it (``force_close``: an idle connection closed by
+    # listen.keepalive_timeout, or at shutdown) while it still held bytes for the client.
+    _sending: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._sending = self.transport
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._sending = None
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         # No timer, a few attributes per read: bytes that come once the last request's body came whole (or before
@@ -588,8 +599,12 @@ class _ProblemRequestHandler(RequestHandler):
         tick, never early; a connection waiting for a head none of whose bytes came waits as an idle one, for
         ``listen.keepalive_timeout`` (aiohttp's own check). A request body: ``_watch_body``; an answer the client
         does not take: ``_watch_send``."""
-        if self._paused:  # (the transport's buffer is full: the client is not taking what the proxy wrote)
-            if self._watch_send(now, limits.send_timeout):
+        # Bytes for the client wait in this process: its writes paused (the transport's buffer is full), or an
+        # answer's last bytes below that mark (it counts as written: the connection went on to wait for the next
+        # request, or is closing, which waits for them to be taken first).
+        transport = self._sending
+        if transport is not None and (self._paused or transport.get_write_buffer_size()):
+            if self._watch_send(transport, now, limits.send_timeout):
                 return
         elif self._send_since >= 0:
             self._send_since = -1.0
@@ -632,16 +647,14 @@ class _ProblemRequestHandler(RequestHandler):
                      request.method, loggable_path(request), timeout, request.get(REQUEST_ID, ""))
             body.set_exception(ClientStalled(timeout))
 
-    def _watch_send(self, now: float, timeout: float) -> bool:
+    def _watch_send(self, transport: asyncio.Transport, now: float, timeout: float) -> bool:
         """An answer the client has taken no byte of for ``listen.send_timeout`` while the proxy has bytes waiting
         for it: the connection is cut (True). Its head is gone, so nothing else can tell the client; a covered
         answer is stored before its first byte is sent, so the retry of a request cut so is a replay.
         aiohttp's write waits for such a client without a bound, holding the answer's bytes: a replay, or a covered
         answer of up to ``max_stored_response``, that nobody reads. Progress, not a total: a client that keeps
-        reading, however slowly, is never cut."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return False
+        reading, however slowly, is never cut. A connection closing (after its answer, or as idle) waits for the
+        client to take those bytes first, without a bound: watched too."""
         unsent = unsent_bytes(transport)
         # What it took: what was written, less what waits. An answer the handler writes on as the client takes it
         # (streamed) is written by the request in progress, and what waits alone may stay the same size from look

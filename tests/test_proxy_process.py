@@ -4,6 +4,7 @@ CLI start-up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -840,6 +841,72 @@ async def test_an_answer_the_client_takes_no_byte_of_is_cut_after_listen_send_ti
     # proxy writes on as it reads) is not cut; one nobody reads is, at send_timeout, not at upstream.timeout.
     assert not await asyncio.to_thread(download, 0.1, 2.0)
     assert await asyncio.to_thread(download, 0, 2.0)
+    log = proxy.log()
+    assert log.count("the client took no byte of its answer for listen.send_timeout (0.5s)") == 3, log
+    assert "Traceback" not in log, log
+
+
+async def test_an_answer_whose_rest_waits_below_the_write_buffer_limit_is_cut_too(
+    upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
+) -> None:
+    """An answer a little larger than what the kernel takes in for a client that reads nothing leaves its last
+    bytes in the proxy's buffer, below the mark at which writes pause: the answer counts as written, and the
+    connection was never looked at by ``listen.send_timeout``. Measured: an answer 40 KB larger than the kernel's
+    share was held for good, with its fd and the kernel's 2.8 MB: closing after it (Connection: close) waits for the
+    client to take the bytes, and ``listen.keepalive_timeout`` closes the same way (not even its socket freed)."""
+    proxy = proxy_process({**embedded(upstream, tmp_path), "listen": {"send_timeout": "500ms",
+                                                                      "keepalive_timeout": "300ms"},
+                           "idempotency": {"max_stored_response": "8MiB"}})
+    await proxy.start()
+
+    def ask(key: str, size: int, *, close: bool) -> int:
+        """POST asking for ``size`` bytes; read nothing for 2 s (4 times listen.send_timeout), then all that
+        comes; the body's bytes read."""
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", proxy.port))
+            headers = [(b"Idempotency-Key", key.encode()), (b"Authorization", b"t"), (b"X-Test-Size", b"%d" % size)]
+            request = build_request(b"POST", b"/pay", headers, b"{}")
+            sock.sendall(request if close else request.replace(b"Connection: close\r\n", b""))
+            time.sleep(2)  # (the client's own pace: it does not read)
+            received, body = bytearray(), 0
+            sock.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                while body < size:
+                    data = sock.recv(65536)
+                    if not data:
+                        break
+                    received += data
+                    body = len(received) - received.find(b"\r\n\r\n") - 4 if b"\r\n\r\n" in received else 0
+            return body
+
+    def kernel_share() -> int:
+        """What the kernel takes in on the proxy's side of a connection whose client reads nothing (loopback:
+        2.8 MB): the most its send queue held (/proc/net/tcp) while a 6 MB answer waited, until it was cut."""
+        most = 0
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", proxy.port))
+            ends = f"0100007F:{proxy.port:04X} 0100007F:{sock.getsockname()[1]:04X}"
+            sock.sendall(build_request(b"POST", b"/pay", [(b"Idempotency-Key", b"probe"), (b"Authorization", b"t"),
+                                                          (b"X-Test-Size", b"6000000")], b"{}"))
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                for line in Path("/proc/net/tcp").read_text().splitlines():
+                    fields = line.split()
+                    if " ".join(fields[1:3]) == ends:
+                        most = max(most, int(fields[4].split(":")[0], 16))
+                time.sleep(0.01)  # (a look every 10 ms)
+        return most
+
+    kernel = await asyncio.to_thread(kernel_share)
+    assert 0 < kernel < 6_000_000
+    # An answer 32 KiB larger (half the buffer's limit, the client's few KiB aside): cut too, whether the
+    # connection was to close after it or kept alive (and closed as idle by listen.keepalive_timeout meanwhile).
+    for key, close in (("closing", True), ("kept", False)):
+        size = kernel + 32 * 1024
+        body = await asyncio.to_thread(ask, key, size, close=close)
+        assert body < size, key
     log = proxy.log()
     assert log.count("the client took no byte of its answer for listen.send_timeout (0.5s)") == 3, log
     assert "Traceback" not in log, log
