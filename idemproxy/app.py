@@ -655,7 +655,8 @@ class _ProblemRequestHandler(RequestHandler):
         answer is stored before its first byte is sent, so the retry of a request cut so is a replay.
         aiohttp's write waits for such a client without a bound, holding the answer's bytes: a replay, or a covered
         answer of up to ``max_stored_response``, that nobody reads. Progress, not a total: a client that keeps
-        reading, however slowly, is never cut. A connection closing (after its answer, or as idle) waits for the
+        reading is never cut, if it reads enough for its kernel to tell (about a segment: its reads show only as
+        its window reopens). A connection closing (after its answer, or as idle) waits for the
         client to take those bytes first, without a bound: watched too."""
         unsent = unsent_bytes(transport)
         # What it took: what was written, less what waits. An answer the handler writes on as the client takes it

@@ -138,8 +138,9 @@ class ListenConfig:
     # upload that keeps moving is never cut), as nginx's client_body_timeout (60 s); past it, 408.
     body_timeout: float = 60.0
     # An answer may go this long without the client taking a byte of it while the proxy has bytes waiting for it
-    # (progress, not a total: a slow reader that keeps reading is never cut), as nginx's send_timeout (60 s); past
-    # it the connection is cut (the answer's head is gone: nothing else can be said).
+    # (progress, not a total: a slow reader is never cut if it reads about a TCP segment's worth in that time: its
+    # kernel tells of its reads as it makes room), as nginx's send_timeout (60 s); past it the connection is reset
+    # (the answer's head is gone: nothing else can be said).
     send_timeout: float = 60.0
     # How long a connection may wait for its next request (docs/deploying.md "Slow and idle clients"). aiohttp's
     # default, just over an hour: longer than a balancer's idle timeout (AWS ALB: 60 s unless raised;
