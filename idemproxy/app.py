@@ -12,7 +12,6 @@ import random
 import re
 import signal
 import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
@@ -39,7 +38,16 @@ from idemproxy.problems import (
     problem_middleware,
     render_problems,
 )
-from idemproxy.proxy import CONTINUE, REQUEST_ID, UNTYPED, UPLOAD_ANSWERED, UPSTREAM_SERVER, Upstreams, unsent_bytes
+from idemproxy.proxy import (
+    CONTINUE,
+    REQUEST_ID,
+    UNTYPED,
+    UPLOAD_ANSWERED,
+    UPSTREAM_SERVER,
+    Upstreams,
+    reset,
+    unsent_bytes,
+)
 from idemproxy.store import Store, build_store
 from idemproxy.store.base import Health
 from idemproxy.tracing import build_tracer
@@ -516,7 +524,6 @@ class _HeadTimeout(TimeoutError):
 
 
 _DATA_RECEIVED = RequestHandler.data_received
-_NO_LINGER = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection, its queue dropped
 
 
 class _ProblemRequestHandler(RequestHandler):
@@ -656,8 +663,8 @@ class _ProblemRequestHandler(RequestHandler):
         aiohttp's write waits for such a client without a bound, holding the answer's bytes: a replay, or a covered
         answer of up to ``max_stored_response``, that nobody reads. Progress, not a total: a client that keeps
         reading is never cut, if it reads enough for its kernel to tell (about a segment: its reads show only as
-        its window reopens). A connection closing (after its answer, or as idle) waits for the
-        client to take those bytes first, without a bound: watched too."""
+        its window reopens). A connection closing (after its answer, or as idle) waits for the client to take
+        those bytes first, without a bound: watched too."""
         unsent = unsent_bytes(transport)
         # What it took: what was written, less what waits. An answer the handler writes on as the client takes it
         # (streamed) is written by the request in progress, and what waits alone may stay the same size from look
@@ -673,14 +680,7 @@ class _ProblemRequestHandler(RequestHandler):
         log.info("the client took no byte of its answer for listen.send_timeout (%gs), %d bytes unsent, request id "
                  "%s: connection closed", timeout, unsent, self.answering)
         self._send_since = -1.0
-        # Reset, as nginx's reset_timedout_connection: a socket closed with bytes queued sends them, then its FIN,
-        # as the client reads, and the kernel holds them meanwhile (an orphan in FIN-WAIT-1, for as long as the
-        # client keeps its end: loopback's 2.8 MB a connection); no linger: RST, the queue dropped at once.
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _NO_LINGER)
-        transport.abort()  # (close() would wait for the client to take the bytes first)
+        reset(transport)
         return True
 
     def _head_timed_out(self, waiter: asyncio.Future[None]) -> None:

@@ -912,26 +912,29 @@ async def test_an_answer_whose_rest_waits_below_the_write_buffer_limit_is_cut_to
     assert "Traceback" not in log, log
 
 
-async def test_a_connection_cut_by_listen_send_timeout_is_reset_its_queue_dropped(
+async def test_a_connection_cut_for_not_reading_is_reset_its_queue_dropped(
     upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
 ) -> None:
-    """A cut connection was closed with the kernel's queue still in it: the kernel sent it, then a FIN, as the
-    client read, holding it meanwhile (the proxy's socket an orphan in FIN-WAIT-1 with 2.8 MB queued on loopback,
-    for as long as the client kept its end: measured 240 s; 50 such clients: 187 MiB of the kernel's TCP memory).
-    It is reset: the queue dropped at once, and the client told."""
-    proxy = proxy_process({**embedded(upstream, tmp_path), "listen": {"send_timeout": "500ms"},
-                           "idempotency": {"max_stored_response": "8MiB"}})
-    await proxy.start()
+    """A cut connection (``listen.send_timeout``, or ``upstream.timeout`` for a streamed answer) was closed with the
+    kernel's queue still in it: the kernel sent it, then a FIN, as the client read, holding it meanwhile (the
+    proxy's socket an orphan in FIN-WAIT-1 with 2.8 MB queued on loopback, for as long as the client kept its end:
+    measured 240 s; 50 such clients: 187 MiB of the kernel's TCP memory). It is reset: the queue dropped at once,
+    and the client told."""
+    by_send = proxy_process({**embedded(upstream, tmp_path), "listen": {"send_timeout": "500ms"},
+                             "idempotency": {"max_stored_response": "8MiB"}}, name="send")
+    by_upstream = proxy_process({**embedded(upstream, tmp_path), "upstream": {"url": upstream.url, "timeout": "500ms"},
+                                 "storage": {"embedded": {"path": str(tmp_path / "up.sqlite3")}}}, name="up")
+    await by_send.start()
+    await by_upstream.start()
 
-    def cut() -> tuple[list[str], int, bool]:
-        """A 6 MB answer nobody reads for 1.5 s: the proxy's side of its connection then (/proc/net/tcp: state
-        and send queue), and what the client gets when it reads on (bytes, whether it was reset)."""
+    def cut(port: int, request: bytes) -> tuple[list[str], int, bool]:
+        """An answer nobody reads for 1.5 s: the proxy's side of its connection then (/proc/net/tcp: state and
+        send queue), and what the client gets when it reads on (bytes, whether it was reset)."""
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", proxy.port))
-            ends = f"0100007F:{proxy.port:04X} 0100007F:{sock.getsockname()[1]:04X}"
-            sock.sendall(build_request(b"POST", b"/pay", [(b"Idempotency-Key", b"k"), (b"Authorization", b"t"),
-                                                          (b"X-Test-Size", b"6000000")], b"{}"))
+            sock.connect(("127.0.0.1", port))
+            ends = f"0100007F:{port:04X} 0100007F:{sock.getsockname()[1]:04X}"
+            sock.sendall(request)
             time.sleep(1.5)  # (the client's own pace: it does not read)
             left = [" ".join([fields[3], fields[4]]) for fields in map(str.split, Path("/proc/net/tcp").read_text()
                                                                        .splitlines()) if " ".join(fields[1:3]) == ends]
@@ -944,6 +947,12 @@ async def test_a_connection_cut_by_listen_send_timeout_is_reset_its_queue_droppe
                 return left, got, True
             return left, got, False
 
-    left, got, reset = await asyncio.to_thread(cut)
+    left, got, reset = await asyncio.to_thread(
+        cut, by_send.port, build_request(b"POST", b"/pay", [(b"Idempotency-Key", b"k"), (b"Authorization", b"t"),
+                                                            (b"X-Test-Size", b"6000000")], b"{}"))
     assert reset and got < 65536 and left == [], (left, got)
-    assert "the client took no byte of its answer for listen.send_timeout (0.5s)" in proxy.log()
+    assert "the client took no byte of its answer for listen.send_timeout (0.5s)" in by_send.log()
+    left, got, reset = await asyncio.to_thread(
+        cut, by_upstream.port, b"GET /stream/download?size=2000000000 HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    assert reset and got < 65536 and left == [], (left, got)
+    assert "client went away mid-response (TimeoutError)" in by_upstream.log()
