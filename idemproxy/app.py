@@ -555,7 +555,7 @@ class _ProblemRequestHandler(RequestHandler):
     # when (-1: none waiting).
     answering = ""
     _taken = 0
-    _taken_of = 0
+    _taken_of: tuple[int, str] = (0, "")
     _send_since = -1.0
     # The connection's transport, kept once aiohttp let go of it (``force_close``: an idle connection closed by
     # listen.keepalive_timeout, or at shutdown) while it still held bytes for the client.
@@ -669,16 +669,18 @@ class _ProblemRequestHandler(RequestHandler):
         # What it took: what was written, less what waits. An answer the handler writes on as the client takes it
         # (streamed) is written by the request in progress, and what waits alone may stay the same size from look
         # to look while the client reads; one written whole (aiohttp's ``finish_response``) is written already.
+        # (Of which answer: the writer of the request in progress, or the id of the last answer made, so that a
+        # look after another whole answer was made starts over.)
         request = self._current_request
-        writer = 0 if request is None else id(request.writer)
+        answer = (0 if request is None else id(request.writer), self.answering)
         taken = (0 if request is None else request.writer.output_size) - unsent
-        if self._send_since < 0 or writer != self._taken_of or taken != self._taken:
-            self._taken, self._taken_of, self._send_since = taken, writer, now
+        if self._send_since < 0 or answer != self._taken_of or taken != self._taken:
+            self._taken, self._taken_of, self._send_since = taken, answer, now
             return False
         if self._send_since > now - timeout:
             return False
         log.info("the client took no byte of its answer for listen.send_timeout (%gs), %d bytes unsent, request id "
-                 "%s: connection closed", timeout, unsent, self.answering)
+                 "%s: connection reset", timeout, unsent, self.answering)
         self._send_since = -1.0
         reset(transport)
         return True
