@@ -422,8 +422,8 @@ _OUTQ = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on a socket (Linux)
 
 def unsent_bytes(transport: asyncio.Transport) -> int:
     """The bytes written to a client it has not taken yet: this process's buffer, and the kernel's bytes the
-    client has not acknowledged (it acknowledges what its side's buffer takes in, so as it reads). A client that
-    reads, however slowly, makes this go down."""
+    client has not acknowledged (it acknowledges what its side's buffer takes in). A client that reads makes this
+    go down as its kernel makes room again: about a segment at a time, or half its receive buffer."""
     queued = transport.get_write_buffer_size()
     sock = transport.get_extra_info("socket")
     if sock is not None and _OUTQ is not None:
