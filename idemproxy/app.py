@@ -186,20 +186,25 @@ class Proxy:
         next request cancelled) without closing the socket, and a request sent on it would wait, never read,
         until the last busy connection ended."""
         left = self._shutdown_left()
-        busy = []
+        busy: dict[asyncio.Task[None], RequestHandler] = {}
         for conn in server.connections:
             task = conn.task if isinstance(conn, _ProblemRequestHandler) else None
             if task is None or task.done():
                 conn.force_close()
             else:
                 task.add_done_callback(partial(_close_connection, conn))
-                busy.append(task)
+                busy[task] = conn
         if busy:
             await asyncio.wait(busy, timeout=left)
         late = [task for task in busy if not task.done()]
         if late:
-            log.warning("shutdown_timeout (%gs) reached with %d request(s) still in progress: closing their "
-                        "connections unanswered", self.config.shutdown_timeout, len(late))
+            # A connection with bytes waiting for its client is writing an answer that client does not take (not
+            # for listen.send_timeout yet): its request was answered, and the answer is cut, not lost.
+            sending = sum(1 for task in late if _answer_waits(busy[task]))
+            log.warning("shutdown_timeout (%gs) reached with %d request(s) still in progress and %d answer(s) "
+                        "still being sent to clients not reading them: closing their connections (those requests "
+                        "unanswered, those answers cut)", self.config.shutdown_timeout, len(late) - sending,
+                        sending)
             for task in late:
                 task.cancel()
             await asyncio.wait(late, timeout=CLOSE_GRACE)
@@ -789,6 +794,12 @@ class _Server(web.Server):
             self._pace.cancel()
             self._pace = None
         await super().shutdown(timeout)
+
+
+def _answer_waits(conn: RequestHandler) -> bool:
+    """Whether bytes of an answer wait for this connection's client in this process (as ``check_pace`` looks)."""
+    transport = conn._sending if isinstance(conn, _ProblemRequestHandler) else None
+    return transport is not None and (conn._paused or transport.get_write_buffer_size() > 0)
 
 
 def _close_connection(conn: RequestHandler, _task: asyncio.Task[None]) -> None:

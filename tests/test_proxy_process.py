@@ -234,12 +234,21 @@ async def test_shutdown_timeout_bounds_the_whole_shutdown(
     await proxy.start()
     assert proxy.proc is not None
     loop = asyncio.get_running_loop()
+    # And an answer whose client does not read it (answered: its rest is cut, and the warning says which is which).
+    unread = socket.socket()
+    unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    unread.connect(("127.0.0.1", proxy.port))
+    unread.sendall(b"GET /big HTTP/1.1\r\nHost: a\r\nX-Test-Size: 6000000\r\n\r\n")
+    ends = f"0100007F:{proxy.port:04X} 0100007F:{unread.getsockname()[1]:04X}"
+    while not any(" ".join(fields[1:3]) == ends and int(fields[4].split(":")[0], 16) > 0
+                  for fields in map(str.split, Path("/proc/net/tcp").read_text().splitlines()[1:])):
+        await asyncio.sleep(0.01)  # (until the proxy's side of it holds bytes the client has not taken)
     async with aiohttp.ClientSession() as session:
         hang = {"X-Test-Hang": "1", "Authorization": "t"}
         covered = asyncio.ensure_future(session.post(
             proxy.url + "/pay", data=b"{}", headers={**hang, "Idempotency-Key": "stuck"}))
         plain = asyncio.ensure_future(session.get(proxy.url + "/plain", headers=hang))
-        while len(upstream.executed) < 2:  # both are at the upstream, which will not answer
+        while len(upstream.executed) < 3:  # both are at the upstream, which will not answer (and /big)
             await asyncio.sleep(0.01)
         proxy.proc.send_signal(signal.SIGTERM)
         signalled = loop.time()
@@ -251,9 +260,11 @@ async def test_shutdown_timeout_bounds_the_whole_shutdown(
                 raise AssertionError("a request cut at shutdown_timeout was answered")
             except aiohttp.ClientConnectionError:
                 pass  # its connection closed unanswered
+    unread.close()
     assert code == 0
     assert timeout <= took < timeout + 1.5, took
-    assert "shutdown_timeout (2s) reached with 2 request(s) still in progress" in proxy.log()
+    assert ("shutdown_timeout (2s) reached with 2 request(s) still in progress and 1 answer(s) still being sent "
+            "to clients not reading them") in proxy.log()
 
 
 async def test_an_answer_still_being_written_at_shutdown_is_written_whole(
