@@ -554,7 +554,11 @@ async def test_workers_signalled_as_a_process_group_drain_once_and_exit_at_once_
         assert "exiting at once" not in output
     else:  # the operator's second signal: at once, the requests cut
         assert code == 128 + signal.SIGTERM and took < 2.5, output
-        assert 201 not in statuses and "SIGTERM again: exiting at once" in output
+        # Each worker gets the operator's second SIGTERM twice, from the group and from its parent (as ABORT),
+        # and exits at the first it handles: either line is the same exit (which one came first is the
+        # scheduler's; a loaded run logged only the parent's).
+        assert 201 not in statuses, statuses
+        assert re.search(r"SIGTERM again( \(to the workers' parent\))?: exiting at once", output), output
 
 
 @pytest.mark.parametrize(
