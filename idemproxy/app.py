@@ -200,7 +200,8 @@ class Proxy:
         if late:
             # A connection with bytes waiting for its client is writing an answer that client does not take (not
             # for listen.send_timeout yet): its request was answered, and the answer is cut, not lost.
-            sending = sum(1 for task in late if _answer_waits(busy[task]))
+            sending = sum(1 for task in late
+                          if isinstance(conn := busy[task], _ProblemRequestHandler) and conn.answer_waits())
             log.warning("shutdown_timeout (%gs) reached with %d request(s) still in progress and %d answer(s) "
                         "still being sent to clients not reading them: closing their connections (those requests "
                         "unanswered, those answers cut)", self.config.shutdown_timeout, len(late) - sending,
@@ -616,8 +617,8 @@ class _ProblemRequestHandler(RequestHandler):
         # Bytes for the client wait in this process: its writes paused (the transport's buffer is full), or an
         # answer's last bytes below that mark (it counts as written: the connection went on to wait for the next
         # request, or is closing, which waits for them to be taken first).
-        transport = self._sending
-        if transport is not None and (self._paused or transport.get_write_buffer_size()):
+        transport = self.answer_waits()
+        if transport is not None:
             if self._watch_send(transport, now, limits.send_timeout):
                 return
         elif self._send_since >= 0:
@@ -661,10 +662,18 @@ class _ProblemRequestHandler(RequestHandler):
                      request.method, loggable_path(request), timeout, request.get(REQUEST_ID, ""))
             body.set_exception(ClientStalled(timeout))
 
+    def answer_waits(self) -> asyncio.Transport | None:
+        """This connection's transport when bytes of an answer wait in this process for its client: its writes
+        paused, or an answer's last bytes in the buffer below that mark (``check_pace``, the shutdown warning)."""
+        transport = self._sending
+        if transport is not None and (self._paused or transport.get_write_buffer_size()):
+            return transport
+        return None
+
     def _watch_send(self, transport: asyncio.Transport, now: float, timeout: float) -> bool:
         """An answer the client has taken no byte of for ``listen.send_timeout`` while the proxy has bytes waiting
         for it: the connection is cut (True). Its head is gone, so nothing else can tell the client; a covered
-        answer is stored before its first byte is sent, so the retry of a request cut so is a replay.
+        answer is stored before its first byte is sent, so the retry of a request cut so is never a second execution.
         aiohttp's write waits for such a client without a bound, holding the answer's bytes: a replay, or a covered
         answer of up to ``max_stored_response``, that nobody reads. Progress, not a total: a client that keeps
         reading is never cut, if it reads enough for its kernel to tell (about a segment: its reads show only as
@@ -794,12 +803,6 @@ class _Server(web.Server):
             self._pace.cancel()
             self._pace = None
         await super().shutdown(timeout)
-
-
-def _answer_waits(conn: RequestHandler) -> bool:
-    """Whether bytes of an answer wait for this connection's client in this process (as ``check_pace`` looks)."""
-    transport = conn._sending if isinstance(conn, _ProblemRequestHandler) else None
-    return transport is not None and (conn._paused or transport.get_write_buffer_size() > 0)
 
 
 def _close_connection(conn: RequestHandler, _task: asyncio.Task[None]) -> None:
