@@ -1,7 +1,9 @@
 """Jepsen in miniature: three real proxy processes on a real PostgreSQL and Redis, under a seeded storm of faults.
 
 Clients (asyncio tasks here) each own a key and retry it, with the same body, on 409, 5xx and broken connections
-until they get a final answer. Meanwhile, one at a time: a replica is killed with SIGKILL and restarted, the network
+until they get a final answer. Meanwhile, one at a time: a replica is killed with SIGKILL and restarted, or paused
+with SIGSTOP for up to a lease and more (a stop-the-world pause: it wakes up believing its leases and timers are
+where it left them, and must not act on a lease another replica has taken over since), the network
 to PostgreSQL or Redis is cut or black-holed (a relay from tests/relay.py sits between the proxies and each store;
 held bytes go through late when it lifts), PostgreSQL is
 restarted in immediate mode, Redis is restarted empty, and the upstream executes requests and then hangs up without
@@ -22,6 +24,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -64,8 +67,8 @@ WORKERS = 12
 REPLICAS = 3
 BASE_DROP_RATE = 0.01  # the upstream executes and hangs up without answering, now and then...
 STORM_DROP_RATE = 0.3  # ...and often during an upstream_drop fault
-FAULT_KINDS = ("kill_proxy", "pg_cut", "pg_stall", "pg_restart", "redis_cut", "redis_stall", "redis_restart",
-               "upstream_drop")
+FAULT_KINDS = ("kill_proxy", "pause_proxy", "pg_cut", "pg_stall", "pg_restart", "redis_cut", "redis_stall",
+               "redis_restart", "upstream_drop")
 WORK_SECONDS = (0.02, 0.4)  # how long the upstream takes; well under upstream.timeout (1 s)
 PATH = "/v1/charges"
 EXAMPLES = 6
@@ -274,6 +277,20 @@ class Storm:
         await asyncio.sleep(down)
         await self.proxies[victim].start()
         self.live.add(victim)
+
+    async def _pause_proxy(self, fault: Fault) -> None:
+        """SIGSTOP a replica, then SIGCONT: its clients wait (the kernel still accepts their connections), and the
+        pause runs past its leases about half the time, so other replicas take its keys over meanwhile."""
+        victim = self.rng.choice(sorted(self.live))
+        paused = self.rng.uniform(0.5, 2 * LEASE)
+        fault.detail = f"p{victim} paused {paused:.1f}s"
+        proxy = self.proxies[victim]
+        assert proxy.proc is not None
+        proxy.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(paused)
+        finally:
+            proxy.proc.send_signal(signal.SIGCONT)
 
     async def _cut(self, relay: Relay, fault: Fault, low: float, high: float, stall: bool = False) -> None:
         """Cut (connections closed, new ones refused) or stall (a black hole: held, answered by nobody, then
