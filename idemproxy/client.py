@@ -51,6 +51,10 @@ class UpstreamConnectError(ConnectionError):
     """No connection to the upstream: nothing was sent."""
 
 
+class UpstreamSendLate(UpstreamConnectError):
+    """The caller's ``send_by`` instant had passed when the request was about to be written: nothing was sent."""
+
+
 class UpstreamDisconnected(ConnectionError):
     """The upstream closed or reset the connection before a full answer."""
 
@@ -386,10 +390,11 @@ class _Connection(asyncio.Protocol):
 
     async def exchange(
         self, method: str, head: bytes, body: bytes | AsyncIterator[bytes] | None, length: int | None,
-        read_timeout: float, deadline: float | None, interim: Interim | None = None,
+        read_timeout: float, deadline: float | None, interim: Interim | None = None, send_by: float | None = None,
     ) -> UpstreamResponse:
         """Send the request and wait for the answer's head. ``length``: a streamed body's declared length (it
-        goes chunked when None). ``interim`` is handed each 1xx answer but a 100 or 101, as it comes."""
+        goes chunked when None). ``interim`` is handed each 1xx answer but a 100 or 101, as it comes. ``send_by``
+        (``time.monotonic()``): past it, nothing is written (``UpstreamSendLate``)."""
         transport = self.transport
         assert transport is not None and not self._busy
         self._busy = True
@@ -405,6 +410,12 @@ class _Connection(asyncio.Protocol):
         self._interim = interim
         self._read_timeout = read_timeout
         self._deadline = deadline
+        # The last look before the first byte leaves, on a clock read now (the loop's is read once per turn): a
+        # process stopped for a while (SIGSTOP, a frozen VM, a starved container) must not send a request whose
+        # lease ran out meanwhile, and may have been taken over by another replica.
+        if send_by is not None and time.monotonic() >= send_by:
+            raise UpstreamSendLate("The request's time to be sent had passed when it was about to be written "
+                                   "(this process was held up); nothing was sent.")
         if body is None:
             transport.write(head)
             self._body_sent = True
@@ -617,19 +628,21 @@ class ConnectionPool:
 
     async def request(
         self, method: str, target: str, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None,
-        timeout: float | None = None, interim: Interim | None = None,
+        timeout: float | None = None, interim: Interim | None = None, send_by: float | None = None,
     ) -> UpstreamResponse:
         """Send one request (never retried) and return the answer's head; ``target`` is path and query.
         ``interim`` is handed each 1xx answer but a 100 or 101 (status, reason as sent, headers), as it comes.
 
         ``timeout`` bounds the whole exchange, the body's reads included: spent before a byte was sent, it is an
-        ``UpstreamConnectError`` (nothing sent); after, an ``UpstreamReadTimeout``.
+        ``UpstreamConnectError`` (nothing sent); after, an ``UpstreamReadTimeout``. ``send_by``, an instant of
+        ``time.monotonic()``, is looked at just before the first byte is written: past it, ``UpstreamSendLate``
+        (nothing sent).
         """
         head, length = self._head(method, target, headers, body)
         deadline = None if timeout is None else self.loop.time() + timeout
         conn = await self._acquire(deadline)
         try:
-            return await conn.exchange(method, head, body, length, self.read_timeout, deadline, interim)
+            return await conn.exchange(method, head, body, length, self.read_timeout, deadline, interim, send_by)
         except BaseException:
             conn.abort()
             raise

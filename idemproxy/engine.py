@@ -610,12 +610,16 @@ class Engine:
                 # The key as the proxy understood it, so the upstream can dedupe a takeover ('"k"' is 'k').
                 headers[idem.header] = forwarded_key(claim.record.key)
             timeout = ex.upstream.config.timeout
-            budget = min(timeout, claim.lease_left() - lease_margin(idem.lease, timeout))
-            if budget <= 0:  # the claim itself took most of the lease: never forward into a takeover
+            # The forward is over by ``send_by``, before anyone may take the key over; budget <= 0: the claim
+            # itself took most of the lease, never forward into a takeover. The client looks at ``send_by``
+            # again just before the first byte leaves, on a clock read then (guarantee 1 under a paused process).
+            send_by = claim.lease_end() - lease_margin(idem.lease, timeout)
+            budget = min(timeout, send_by - time.monotonic())
+            if budget <= 0:
                 raise StoreUnavailable("The idempotency store answered too slowly; nothing was sent.")
             ex.upstream.target(request)
         except BaseException:
-            await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
+            await self.settler.release(lambda: self.store.release(claim), until=claim.lease_end())
             raise
         started = time.perf_counter()
         try:
@@ -623,13 +627,13 @@ class Engine:
                 # The budget bounds the exchange and the body's reads; spent before a byte left, the key is
                 # released as "nothing sent" (UpstreamUnreachable), after, the outcome is unknown until the
                 # answer's status came (then it settles the key, whatever is lost after it: _read_answer).
-                upstream = await ex.upstream.send(request, headers, body, timeout=budget)
+                upstream = await ex.upstream.send(request, headers, body, timeout=budget, send_by=send_by)
                 head, complete = await _read_answer(upstream, idem.max_stored_response)
                 if complete:
                     upstream.release()  # read whole: its connection serves others while the answer is stored
                 span.set_attribute(HTTP_STATUS, upstream.status)
-        except (UpstreamUnreachable, BadRequest):  # nothing was sent
-            await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
+        except (UpstreamUnreachable, BadRequest, StoreUnavailable):  # nothing was sent (the last: sent too late)
+            await self.settler.release(lambda: self.store.release(claim), until=claim.lease_end())
             raise
         except (UpstreamTimeout, UpstreamReset) as problem:
             with self.tracer.span("idemproxy.settle"):
@@ -673,7 +677,7 @@ class Engine:
     ) -> web.Response | None:
         disposition = _disposition(stored.status, idem)
         if disposition == "release":
-            await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
+            await self.settler.release(lambda: self.store.release(claim), until=claim.lease_end())
             return None
         if disposition == "unknown":
             return await self._unknown_outcome(claim, idem, stored, due)
@@ -704,7 +708,7 @@ class Engine:
     ) -> web.Response | None:
         """The upstream may or may not have executed: apply ``on_unknown_outcome``."""
         if idem.on_unknown_outcome == "release":
-            await self.settler.release(lambda: self.store.release(claim), until=self._lease_end(claim))
+            await self.settler.release(lambda: self.store.release(claim), until=claim.lease_end())
         elif idem.on_unknown_outcome == "store":
             return await self._complete(claim, answer, idem, due)
         # keep_lease: the record stays in flight; after the lease a retry takes it over.
@@ -801,11 +805,6 @@ class Engine:
                     return self._answer_record(record, fp, idem, now, None)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed, remaining)
-
-    @staticmethod
-    def _lease_end(claim: Claim) -> float:
-        """When the claim's lease runs out, on this process's monotonic clock."""
-        return time.monotonic() + claim.lease_left()
 
     # ------------------------------------------------------------------ fail open
 

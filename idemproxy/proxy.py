@@ -30,6 +30,7 @@ from idemproxy.client import (
     UpstreamConnectError,
     UpstreamProtocolError,
     UpstreamResponse,
+    UpstreamSendLate,
     UpstreamUnrelayable,
 )
 from idemproxy.config import HOP_BY_HOP, Config, IPNetwork, RouteConfig, UpstreamConfig, forged_by_client
@@ -37,6 +38,7 @@ from idemproxy.problems import (
     BadRequest,
     ClientGone,
     ClientStalled,
+    StoreUnavailable,
     UpstreamAnswerRefused,
     UpstreamReset,
     UpstreamTimeout,
@@ -239,6 +241,9 @@ class _UpstreamErrors:
         if isinstance(exc.__cause__, ClientStalled):  # the client's body stalled as it streamed upstream
             raise exc.__cause__.problem("the upstream's connection was cut before the body's end: it never got the "
                                         "request whole.") from exc
+        if isinstance(exc, UpstreamSendLate):  # (a covered request's lease, which the store keeps: 503 as below)
+            raise StoreUnavailable("This proxy was held up until the key's lease had all but run out; nothing was "
+                                   "sent.", maybe_applied=False) from exc
         if isinstance(exc, UpstreamConnectError):
             raise UpstreamUnreachable("The upstream could not be reached; nothing was sent.") from exc
         if isinstance(exc, TimeoutError):
@@ -297,15 +302,16 @@ class Upstream:
 
     async def send(
         self, request: web.BaseRequest, headers: CIMultiDict[str], body: bytes | AsyncIterator[bytes] | None,
-        timeout: float | None = None, interim: Interim | None = None,
+        timeout: float | None = None, interim: Interim | None = None, send_by: float | None = None,
     ) -> UpstreamResponse:
         """Send the request (never retried: RFC 9110 §9.2.2) and return the response head. ``timeout`` bounds
-        the exchange and the body's reads (``ConnectionPool.request``); ``interim`` is given its 1xx answers."""
+        the exchange and the body's reads (``ConnectionPool.request``); ``interim`` is given its 1xx answers;
+        past ``send_by`` (``time.monotonic()``) nothing is sent (``UpstreamSendLate``)."""
         self.tracer.inject(headers)  # tracing on: the upstream continues the trace under the current span
         target = self.target(request)
         with upstream_errors():
             try:
-                return await self.pool.request(request.method, target, headers, body, timeout, interim)
+                return await self.pool.request(request.method, target, headers, body, timeout, interim, send_by)
             except HeaderInjection as exc:  # refused before anything was sent
                 raise BadRequest("The request cannot be forwarded: a header holds a line break.") from exc
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +15,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from idemproxy.proxy import Upstream
 from tests.conftest import BACKENDS, ProxyFactory, StorageFactory
 from tests.proxyproc import ProxyProcess
 from tests.upstream import RecordingUpstream
@@ -185,3 +190,58 @@ async def test_second_process_on_one_embedded_file_is_refused(
                            name="linked")
     with pytest.raises(RuntimeError, match="in use by another idemproxy process"):
         await linked.start()
+
+
+async def test_a_replica_paused_past_its_lease_sends_nothing_once_another_took_the_key_over(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, storage: StorageFactory,
+    proxy_process: Callable[..., ProxyProcess], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guarantee 1 under a stop-the-world pause (SIGSTOP, a frozen VM, a starved container): replica A claims the
+    key, then its process stands still, between its last look at the lease and its write upstream, until well
+    after the lease ran out. Meanwhile a retry reaches replica B, which takes the key over and forwards it. A,
+    waking up, must not send its copy: the upstream executes the charge once, not twice."""
+    lease, pause = 2.0, 4.0  # B's retry meets the lease's end plus TAKEOVER_GRACE (1 s) well inside the pause
+    a = await make_proxy("redis", upstream={"timeout": "1s"}, idempotency={"lease": f"{lease:g}s"})
+    b = proxy_process({**shared_config(upstream, storage), "upstream": {"url": upstream.url, "timeout": "1s"},
+                       "idempotency": {"lease": f"{lease:g}s"}}, name="b")
+    await b.start()
+    send = {"Authorization": "Bearer t1", "Idempotency-Key": "paused", "Content-Type": "application/json"}
+    body = json.dumps(CHARGE).encode()
+    b_answer: list[int] = []
+
+    def retry_on_b() -> None:  # a client retrying on B while A stands still (a thread: the test's loop is A's)
+        time.sleep(lease + 0.3)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            req = urllib.request.Request(b.url + "/v1/charges", data=body, headers=send, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=20) as resp:
+                    b_answer.append(resp.status)
+                    return
+            except urllib.error.HTTPError as exc:  # 409 while A's lease, then its grace, lasts
+                if exc.code != 409:
+                    b_answer.append(exc.code)
+                    return
+            time.sleep(0.1)
+
+    original = Upstream.target
+    stalled: list[threading.Thread] = []
+
+    def target(request: web.BaseRequest) -> str:
+        if request.headers.get("X-Test-Pause") and not stalled:  # the first look: after the lease was judged
+            stalled.append(threading.Thread(target=retry_on_b))
+            stalled[0].start()
+            time.sleep(pause)  # the whole process stands still: loop, upstream, A's store connections
+        return original(request)
+
+    monkeypatch.setattr(Upstream, "target", staticmethod(target))
+    resp, raw = await a.post("/v1/charges", key="paused", body=body,
+                             headers={"Content-Type": "application/json", "X-Test-Pause": "1"})
+    await asyncio.to_thread(stalled[0].join)
+    assert b_answer == [201]
+    assert upstream.count(key="paused") == 1, "the paused replica sent its copy after B took the key over"
+    assert resp.status == 503 and json.loads(raw)["code"] == "store_unavailable", raw
+    assert "nothing was sent" in json.loads(raw)["detail"]
+    replay, _ = await a.post("/v1/charges", key="paused", body=body, headers={"Content-Type": "application/json"})
+    assert replay.status == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="paused") == 1

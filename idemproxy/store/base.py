@@ -150,6 +150,14 @@ class Claim:
             return 0.0
         return expires - self.now - (time.monotonic() - self.received)
 
+    def lease_end(self) -> float:
+        """When the lease runs out, as an instant of this process's monotonic clock (no clock is read: a pause
+        of the process between computing it and using it cannot move it)."""
+        expires = self.record.lease_expires_at
+        if expires is None:
+            return self.received
+        return self.received + expires - self.now
+
     @property
     def token(self) -> str:
         assert self.owned and self.record.lease_token is not None
