@@ -632,7 +632,8 @@ class Engine:
                 if complete:
                     upstream.release()  # read whole: its connection serves others while the answer is stored
                 span.set_attribute(HTTP_STATUS, upstream.status)
-        except (UpstreamUnreachable, BadRequest, StoreUnavailable):  # nothing was sent (the last: sent too late)
+        except (UpstreamUnreachable, BadRequest, StoreUnavailable) as problem:  # nothing was sent (the last: late)
+            _note_held_up(problem, claim, send_by)
             await self.settler.release(lambda: self.store.release(claim), until=claim.lease_end())
             raise
         except (UpstreamTimeout, UpstreamReset) as problem:
@@ -834,6 +835,15 @@ class Engine:
             return await self._timed_upstream(ex, call)
         finally:
             self._in_flight_down()
+
+
+def _note_held_up(problem: Problem, claim: Claim, send_by: float) -> None:
+    """A forward refused as sent too late (``StoreUnavailable`` there; the client's ``UpstreamSendLate``) is
+    logged: the stores are fine, so nothing else in the logs would tell why its client got a 503."""
+    if isinstance(problem, StoreUnavailable):
+        log.warning("this process was held up %.1fs past the time to send a forward (a pause, a frozen VM, a "
+                    "starved CPU?); nothing was sent, 503, the key released (tenant %s key %s)",
+                    time.monotonic() - send_by, short_hash(claim.record.tenant), short_hash(claim.record.key))
 
 
 def _lapsed(claim: Claim, fp: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -245,3 +246,37 @@ async def test_a_replica_paused_past_its_lease_sends_nothing_once_another_took_t
     replay, _ = await a.post("/v1/charges", key="paused", body=body, headers={"Content-Type": "application/json"})
     assert replay.status == 201 and replay.headers["Idempotent-Replayed"] == "true"
     assert upstream.count(key="paused") == 1
+
+
+async def test_a_request_held_up_past_its_time_to_send_is_refused_leaving_nothing_and_a_warning(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The 503 a replica gives when it woke past its lease's end less the margin (nothing sent): no key left in
+    flight (the next request executes at once, not 409), the in-flight gauge back at 0, the problem's Retry-After
+    and request id, and a warning saying why: the stores are fine, so nothing else in the logs would explain it."""
+    lease, pause = 2.0, 2.5  # no other replica: the key is simply late, not taken over
+    a = await make_proxy("redis", upstream={"timeout": "1s"}, idempotency={"lease": f"{lease:g}s"})
+    original = Upstream.target
+    paused: list[bool] = []
+
+    def target(request: web.BaseRequest) -> str:
+        if request.headers.get("X-Test-Pause") and not paused:  # the first look: after the lease was judged
+            paused.append(True)
+            time.sleep(pause)  # the whole process stands still
+        return original(request)
+
+    monkeypatch.setattr(Upstream, "target", staticmethod(target))
+    body = json.dumps(CHARGE).encode()
+    with caplog.at_level(logging.WARNING, logger="idemproxy.engine"):
+        resp, raw = await a.post("/v1/charges", key="late", body=body, headers={
+            "Content-Type": "application/json", "X-Test-Pause": "1", "X-Request-Id": "held-up-1"})
+    assert resp.status == 503 and json.loads(raw)["code"] == "store_unavailable", raw
+    assert resp.headers["Retry-After"] and resp.headers["X-Request-Id"] == "held-up-1"
+    assert upstream.count(key="late") == 0
+    assert a.proxy.metrics.in_flight._value.get() == 0
+    warned = [r.getMessage() for r in caplog.records if "held up" in r.getMessage()]
+    assert len(warned) == 1 and "nothing was sent" in warned[0], caplog.text
+    again, _ = await a.post("/v1/charges", key="late", body=body, headers={"Content-Type": "application/json"})
+    assert again.status == 201 and again.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="late") == 1
