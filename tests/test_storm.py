@@ -282,6 +282,9 @@ class Storm:
         """SIGSTOP a replica, then SIGCONT: its clients wait (the kernel still accepts their connections), and the
         pause runs past its leases about half the time, so other replicas take its keys over meanwhile."""
         victim = self.rng.choice(sorted(self.live))
+        # At most twice the lease: a request a paused replica sent late, after another took its key over (lease,
+        # then TAKEOVER_GRACE), lands within LEASE - 1 s of that takeover's execution, which check (a) flags
+        # (MIN_TAKEOVER_GAP). Longer pauses would let such a late send pass as a takeover of its own.
         paused = self.rng.uniform(0.5, 2 * LEASE)
         fault.detail = f"p{victim} paused {paused:.1f}s"
         proxy = self.proxies[victim]
