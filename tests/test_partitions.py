@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -18,6 +20,7 @@ from idemproxy.metrics import Metrics
 from idemproxy.store import State, StoredResponse
 from idemproxy.store.postgres import (
     DEFAULT_PARTITION,
+    IDLE_IN_TRANSACTION_TIMEOUT,
     MAINTAIN_LOCK,
     PARTITION_DAYS_AHEAD,
     PostgresStore,
@@ -27,6 +30,8 @@ from idemproxy.store.postgres import (
     migrate,
 )
 from tests.conftest import scratch_database
+from tests.relay import Relay
+from tests.test_settle import via
 
 FP = "f" * 64
 OK = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
@@ -384,3 +389,47 @@ async def test_partitions_none_keeps_one_table(db: str) -> None:
         assert await conn.fetchval("SELECT to_regproc('idemproxy_claim')") is None
     finally:
         await conn.close()
+
+
+async def test_maintenance_whose_connection_went_dark_under_its_lock_does_not_hold_the_table(db: str) -> None:
+    """Creating a day's partition locks the records table (ACCESS EXCLUSIVE) over several round trips. Should its
+    connection go dark in between (a network partition, the replica standing still), the server hears nothing and
+    keeps the transaction and its lock until its own TCP keepalive, two hours by default: every claim of every
+    replica waits behind it and fails. Each pooled connection now has the server end a transaction of ours left
+    idle for IDLE_IN_TRANSACTION_TIMEOUT (5 s), so the lock goes with it."""
+    host, port = urlsplit(db).hostname or "127.0.0.1", urlsplit(db).port or 5432
+    with Relay(host, port, name="pg") as relay:
+        store = store_on(via(relay, db))
+        await store.open()
+        direct = await connect(db)  # a claim's connection, straight to the server
+        try:
+            day = await direct.fetchval("SELECT (now() AT TIME ZONE 'UTC')::date") + timedelta(days=40)
+            locked = asyncio.Event()
+
+            class DarkAfterTheLock:  # the pooled connection, its network gone dark once the table is locked
+                def __init__(self, conn: Any) -> None:
+                    self.conn = conn
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(self.conn, name)
+
+                async def execute(self, sql: str, *args: Any) -> Any:
+                    done = await self.conn.execute(sql, *args)
+                    if sql.startswith("LOCK TABLE"):
+                        relay.strand()  # open connections silent for good, both ways; no close passed on
+                        locked.set()
+                    return done
+
+            async with store._pool.acquire() as conn:
+                ddl = asyncio.ensure_future(create_partition(DarkAfterTheLock(conn), day))
+                await asyncio.wait_for(locked.wait(), 10)
+                began = asyncio.get_running_loop().time()
+                count = await asyncio.wait_for(direct.fetchval("SELECT count(*) FROM idemproxy_records"), 20)
+                waited = asyncio.get_running_loop().time() - began
+                with contextlib.suppress(Exception):  # (its statement went unanswered: the driver's timeout)
+                    await ddl
+            assert count == 0 and waited < IDLE_IN_TRANSACTION_TIMEOUT + 3, waited
+            assert partition(day) not in await partitions(direct)  # rolled back whole, created by the next pass
+        finally:
+            await direct.close()
+            await store.close()

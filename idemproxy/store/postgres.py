@@ -51,11 +51,24 @@ OPERATION_TIMEOUT = 5.0  # seconds: a hung database must become a 503, never a h
 # client's attempt timed out made the retry find the key completed, so the first-time client was told its
 # answer was a replay ("completion refused: the key was taken over"), though nothing took it over.
 STATEMENT_TIMEOUT = OPERATION_TIMEOUT - 0.5
-_STATEMENT_TIMEOUT_SQL = (
-    "SELECT set_config('statement_timeout', CASE WHEN current_setting('statement_timeout')::interval = interval '0' "
-    f"OR current_setting('statement_timeout')::interval > interval '{int(STATEMENT_TIMEOUT * 1000)} ms' "
-    f"THEN '{int(STATEMENT_TIMEOUT * 1000)}ms' ELSE current_setting('statement_timeout') END, false)"
-)
+# A transaction of ours left open between statements this long is ended by the server. Ours send each statement
+# right after the last (DDL of partition maintenance under an ACCESS EXCLUSIVE lock on the records table, the
+# sweep, migrations): one idle that long has lost its client, to a network gone dark or a process standing still,
+# and the server, hearing nothing, would hold its locks until its TCP keepalive (two hours by default): every
+# claim of every replica would wait behind them and fail.
+IDLE_IN_TRANSACTION_TIMEOUT = OPERATION_TIMEOUT
+
+
+def _at_most(setting: str, seconds: float) -> str:
+    """``set_config(setting)`` to ``seconds``, unless the session already has a shorter one (not 0: none)."""
+    ms = int(seconds * 1000)
+    return (f"set_config('{setting}', CASE WHEN current_setting('{setting}')::interval = interval '0' "
+            f"OR current_setting('{setting}')::interval > interval '{ms} ms' "
+            f"THEN '{ms}ms' ELSE current_setting('{setting}') END, false)")
+
+
+_SESSION_SQL = (f"SELECT {_at_most('statement_timeout', STATEMENT_TIMEOUT)}, "
+                f"{_at_most('idle_in_transaction_session_timeout', IDLE_IN_TRANSACTION_TIMEOUT)}")
 
 MIGRATIONS: tuple[str, ...] = (
     f"""
@@ -892,7 +905,7 @@ class PostgresStore(Store):
         keep_alive(conn._transport, USER_TIMEOUT)  # (asyncpg has no option for it, nor a public transport)
         # A SET, not a startup parameter: connection poolers refuse startup parameters they do not know. A
         # stricter timeout the operator set (on the role, the database, the DSN's options) is kept.
-        await conn.execute(_STATEMENT_TIMEOUT_SQL)
+        await conn.execute(_SESSION_SQL)
         conn.add_query_logger(self._count_statement)
 
     def _count_statement(self, _query: Any) -> None:
