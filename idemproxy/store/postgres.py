@@ -20,6 +20,9 @@ from idemproxy.config import PostgresConfig
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreRejected, StoreUnavailable
 from idemproxy.store.base import (
+    KEEPALIVE_COUNT,
+    KEEPALIVE_IDLE,
+    KEEPALIVE_INTERVAL,
     TAKEOVER_GRACE,
     Claim,
     Health,
@@ -66,9 +69,6 @@ def _at_most(setting: str, seconds: float) -> str:
             f"OR current_setting('{setting}')::interval > interval '{ms} ms' "
             f"THEN '{ms}ms' ELSE current_setting('{setting}') END, false)")
 
-
-_SESSION_SQL = (f"SELECT {_at_most('statement_timeout', STATEMENT_TIMEOUT)}, "
-                f"{_at_most('idle_in_transaction_session_timeout', IDLE_IN_TRANSACTION_TIMEOUT)}")
 
 MIGRATIONS: tuple[str, ...] = (
     f"""
@@ -507,6 +507,28 @@ SILENT_AFTER = STATEMENT_TIMEOUT + 0.25
 # Unacknowledged data ends a connection after this long (base.keep_alive): past the driver's own timeout, so a
 # statement with no answer is still told by that (PostgresStore._silent), and the kernel ends what it leaves.
 USER_TIMEOUT = OPERATION_TIMEOUT + 1
+
+
+def _count_at_most(setting: str, value: int) -> str:
+    """``set_config(setting)`` to ``value``, unless the session already has a smaller one (0: the system's)."""
+    return (f"set_config('{setting}', CASE WHEN current_setting('{setting}')::int = 0 "
+            f"OR current_setting('{setting}')::int > {value} THEN '{value}' ELSE current_setting('{setting}') END, "
+            "false)")
+
+
+# One statement as each pooled connection opens. The timeouts above; and the server's own TCP keepalive on our
+# session, as ours on its (base.keep_alive): a replica that went dark holding a session-level advisory lock (partition
+# maintenance, migrations at start) or a connection slot is let go in seconds, not after the server's two hours.
+# (Over a unix socket the server ignores them. tcp_user_timeout came in PostgreSQL 12.)
+_SESSION_SQL = (
+    f"SELECT {_at_most('statement_timeout', STATEMENT_TIMEOUT)}, "
+    f"{_at_most('idle_in_transaction_session_timeout', IDLE_IN_TRANSACTION_TIMEOUT)}, "
+    f"{_count_at_most('tcp_keepalives_idle', KEEPALIVE_IDLE)}, "
+    f"{_count_at_most('tcp_keepalives_interval', KEEPALIVE_INTERVAL)}, "
+    f"{_count_at_most('tcp_keepalives_count', KEEPALIVE_COUNT)}, "
+    f"CASE WHEN current_setting('server_version_num')::int >= 120000 "
+    f"THEN {_count_at_most('tcp_user_timeout', int(USER_TIMEOUT * 1000))} END"
+)
 LISTEN_LIVE_WINDOW = 2.5  # seconds without an answer on it after which notifications count as lost
 
 
