@@ -31,7 +31,7 @@ from aiohttp.test_utils import TestServer
 from idemproxy.config import PostgresConfig, SecretURL
 from idemproxy.problems import StoreUnavailable
 from idemproxy.store.embedded import EmbeddedStore
-from idemproxy.store.postgres import MAINTAIN_LOCK, PostgresStore
+from idemproxy.store.postgres import MAINTAIN_LOCK, PostgresStore, _count_at_most
 from idemproxy.store.redis import LOCK_MAX, YOUNG_LOCK, RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, _admin_sql, empty_records
 from tests.netns import drop, private_network
@@ -634,6 +634,23 @@ async def test_a_replica_gone_dark_holding_a_session_lock_is_let_go_by_the_serve
                 await store.close()
         finally:
             server.destroy()
+
+
+async def test_a_keepalive_setting_the_server_cannot_read_is_replaced_not_set_back(pg_dsn: str) -> None:
+    """The server shows a keepalive setting left at 0 as the system's value, read from the socket; where it cannot
+    read it, as -1 (PostgreSQL on Windows, always, for tcp_keepalives_idle and _interval). Taken for a smaller value
+    the operator set, that -1 was set back: out of the setting's range, the session statement failed, so did every
+    pooled connection as it opened, and the store never opened. The statement's own fragment is run here on a
+    setting of the test's own showing what such a server shows (this one, on Linux, reads its system's values)."""
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        for shown, then in (("-1", "2"), ("0", "2"), ("7200", "2"), ("3", "2"), ("2", "2"), ("1", "1")):
+            await conn.execute(f"SET idemproxy_test.keepalives_idle = '{shown}'")
+            assert await conn.fetchval(f"SELECT {_count_at_most('idemproxy_test.keepalives_idle', 2)}") == then, shown
+        with pytest.raises(asyncpg.InvalidParameterValueError):  # (what setting -1 back did on such a server)
+            await conn.execute("SELECT set_config('tcp_keepalives_idle', '-1', false)")
+    finally:
+        await conn.close()
 
 
 def closing() -> list[asyncio.Task[Any]]:

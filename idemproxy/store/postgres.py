@@ -510,8 +510,10 @@ USER_TIMEOUT = OPERATION_TIMEOUT + 1
 
 
 def _count_at_most(setting: str, value: int) -> str:
-    """``set_config(setting)`` to ``value``, unless the session already has a smaller one (0: the system's)."""
-    return (f"set_config('{setting}', CASE WHEN current_setting('{setting}')::int = 0 "
+    """``set_config(setting)`` to ``value``, unless the session already has a smaller one. 0 is the system's, and
+    -1 the system's unknown to the server (tcp_keepalives_idle and _interval on Windows, always): both replaced,
+    -1 never set back (out of the setting's range: the statement, and so every pooled connection, would fail)."""
+    return (f"set_config('{setting}', CASE WHEN current_setting('{setting}')::int <= 0 "
             f"OR current_setting('{setting}')::int > {value} THEN '{value}' ELSE current_setting('{setting}') END, "
             "false)")
 
