@@ -31,7 +31,7 @@ from aiohttp.test_utils import TestServer
 from idemproxy.config import PostgresConfig, SecretURL
 from idemproxy.problems import StoreUnavailable
 from idemproxy.store.embedded import EmbeddedStore
-from idemproxy.store.postgres import MAINTAIN_LOCK, PostgresStore, _count_at_most
+from idemproxy.store.postgres import MAINTAIN_LOCK, MIGRATION_LOCK, PostgresStore, _count_at_most, migration_connection
 from idemproxy.store.redis import LOCK_MAX, YOUNG_LOCK, RedisFrontedStore
 from tests.conftest import ProxyFactory, RunningProxy, _admin_sql, empty_records
 from tests.netns import drop, private_network
@@ -603,32 +603,39 @@ async def test_pooled_connections_to_a_server_gone_dark_are_closed_before_a_requ
             await store.close()
 
 
-async def test_a_replica_gone_dark_holding_a_session_lock_is_let_go_by_the_server(tmp_path: Any) -> None:
-    """Partition maintenance (and the migrations at start) hold a session-level advisory lock on a pooled
-    connection. Should that replica go dark (a host powered off, a network partition: packets dropped, no reset),
-    the server, hearing nothing, kept the session and its lock until its own TCP keepalive gave up, two hours by
-    default: no other replica could maintain the partitions, nor start while it waited for the migration lock.
-    Each pooled connection now sets the server's keepalive on its session as the proxy sets its own (a probe after
-    2 s idle, then every second, 3 unanswered: about 5 s), so the server lets the session go."""
+@pytest.mark.parametrize("whose", ["a replica's", "idemproxy migrate's"])
+async def test_a_client_gone_dark_holding_a_session_lock_is_let_go_by_the_server(whose: str) -> None:
+    """Partition maintenance holds a session-level advisory lock on a pooled connection, and the migrations hold
+    one, at a replica's start or in `idemproxy migrate` (on a connection of its own). Should that client go dark
+    (a host powered off, a network partition: packets dropped, no reset), the server, hearing nothing, kept the
+    session and its lock until its own TCP keepalive gave up, two hours by default: no other replica could
+    maintain the partitions, nor start while it waited for the migration lock. Each of those connections now sets
+    the server's keepalive on its session as the proxy sets its own (a probe after 2 s idle, then every second, 3
+    unanswered: about 5 s), so the server lets the session go."""
     with private_network():
         server = PostgresServer()  # started from this thread: it lives in the private network, dropped packets too
         server.start()
         try:
-            store = PostgresStore(PostgresConfig(dsn=SecretURL(server.admin_dsn), pool_min=1, pool_max=2))
+            config = PostgresConfig(dsn=SecretURL(server.admin_dsn), pool_min=1, pool_max=2)
+            store = PostgresStore(config)
             await store.open()
             other = await asyncpg.connect(server.admin_dsn)
             try:
-                async with store._pool.acquire() as conn:
-                    await conn.execute("SELECT pg_advisory_lock($1)", MAINTAIN_LOCK)
-                    assert not await other.fetchval("SELECT pg_try_advisory_lock($1)", MAINTAIN_LOCK)
-                    drop([conn._transport.get_extra_info("sockname")[1]])  # this replica's session: dark
+                async with contextlib.AsyncExitStack() as stack:
+                    if whose == "a replica's":
+                        conn, lock = await stack.enter_async_context(store._pool.acquire()), MAINTAIN_LOCK
+                        raw = conn._con
+                    else:
+                        conn = raw = await migration_connection(config)
+                        lock = MIGRATION_LOCK
+                    await conn.execute("SELECT pg_advisory_lock($1)", lock)
+                    assert not await other.fetchval("SELECT pg_try_advisory_lock($1)", lock)
+                    drop([raw._transport.get_extra_info("sockname")[1]])  # that client's session: dark
                     loop = asyncio.get_running_loop()
                     began = loop.time()
-                    await until_async(lambda: other.fetchval("SELECT pg_try_advisory_lock($1)", MAINTAIN_LOCK),
-                                      timeout=20)
+                    await until_async(lambda: other.fetchval("SELECT pg_try_advisory_lock($1)", lock), timeout=20)
                     assert loop.time() - began < 12
-                    if conn._con is not None:  # (our kernel may have ended it already: TCP_USER_TIMEOUT)
-                        conn._con.terminate()  # (dark: a polite close would wait for an answer)
+                    raw.terminate()  # (dark: a polite close would wait for an answer)
             finally:
                 await other.close()
                 await store.close()

@@ -522,15 +522,21 @@ def _count_at_most(setting: str, value: int) -> str:
 # session, as ours on its (base.keep_alive): a replica that went dark holding a session-level advisory lock (partition
 # maintenance, migrations at start) or a connection slot is let go in seconds, not after the server's two hours.
 # (Over a unix socket the server ignores them. tcp_user_timeout came in PostgreSQL 12.)
-_SESSION_SQL = (
-    f"SELECT {_at_most('statement_timeout', STATEMENT_TIMEOUT)}, "
-    f"{_at_most('idle_in_transaction_session_timeout', IDLE_IN_TRANSACTION_TIMEOUT)}, "
+_KEEPALIVES = (
     f"{_count_at_most('tcp_keepalives_idle', KEEPALIVE_IDLE)}, "
     f"{_count_at_most('tcp_keepalives_interval', KEEPALIVE_INTERVAL)}, "
     f"{_count_at_most('tcp_keepalives_count', KEEPALIVE_COUNT)}, "
     f"CASE WHEN current_setting('server_version_num')::int >= 120000 "
     f"THEN {_count_at_most('tcp_user_timeout', int(USER_TIMEOUT * 1000))} END"
 )
+_SESSION_SQL = (
+    f"SELECT {_at_most('statement_timeout', STATEMENT_TIMEOUT)}, "
+    f"{_at_most('idle_in_transaction_session_timeout', IDLE_IN_TRANSACTION_TIMEOUT)}, {_KEEPALIVES}"
+)
+# ``idemproxy migrate``'s own connection: the keepalives alone (a conversion's statements run long, and an
+# operator's role may wait on a lock a while), so an operator's machine gone dark mid-migration lets go of the
+# migration lock, which every replica starting waits for, in seconds.
+_MIGRATE_SESSION_SQL = f"SELECT {_KEEPALIVES}"
 LISTEN_LIVE_WINDOW = 2.5  # seconds without an answer on it after which notifications count as lost
 
 
@@ -1493,12 +1499,26 @@ class PostgresStore(Store):
         return Health(ready=True, details={"postgres": "ok"})
 
 
-async def apply_migrations(config: PostgresConfig) -> tuple[list[int], str]:
-    """``idemproxy migrate``: one connection, the migrations and the layout (a single table holding records is
-    converted to daily partitions when so configured), done (safe to run twice). Returns (applied, layout)."""
+async def migration_connection(config: PostgresConfig) -> Any:
+    """The connection ``idemproxy migrate`` works on, watched by TCP keepalive at both ends as pooled ones are."""
     conn = await connect_with_retries(
         lambda: asyncpg.connect(config.dsn.reveal(), timeout=OPERATION_TIMEOUT), server_of(config.dsn.reveal())
     )
+    try:
+        keep_alive(conn._transport, USER_TIMEOUT)
+        await conn.execute(_MIGRATE_SESSION_SQL)
+    except BaseException as exc:
+        conn.terminate()
+        if isinstance(exc, (asyncpg.PostgresError, *_CONNECT_ERRORS)):
+            raise StoreUnavailable(_not_opened(server_of(config.dsn.reveal()), exc), maybe_applied=False) from exc
+        raise
+    return conn
+
+
+async def apply_migrations(config: PostgresConfig) -> tuple[list[int], str]:
+    """``idemproxy migrate``: one connection, the migrations and the layout (a single table holding records is
+    converted to daily partitions when so configured), done (safe to run twice). Returns (applied, layout)."""
+    conn = await migration_connection(config)
     try:
         applied = await migrate(conn, config.partitions, convert=True)
         return applied, await layout(conn) or "none"
