@@ -241,7 +241,7 @@ class _UpstreamErrors:
         if isinstance(exc.__cause__, ClientStalled):  # the client's body stalled as it streamed upstream
             raise exc.__cause__.problem("the upstream's connection was cut before the body's end: it never got the "
                                         "request whole.") from exc
-        if isinstance(exc, UpstreamSendLate):  # (a covered request's lease, which the store keeps: 503 as below)
+        if isinstance(exc, UpstreamSendLate):  # (only a covered request has a time to send by: its lease's)
             raise StoreUnavailable("This proxy was held up until the key's lease had all but run out; nothing was "
                                    "sent.", maybe_applied=False) from exc
         if isinstance(exc, UpstreamConnectError):
