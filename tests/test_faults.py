@@ -603,7 +603,7 @@ async def test_pooled_connections_to_a_server_gone_dark_are_closed_before_a_requ
             await store.close()
 
 
-@pytest.mark.parametrize("whose", ["a replica's", "idemproxy migrate's"])
+@pytest.mark.parametrize("whose", ["a replica's", "idemproxy migrate's", "the LISTEN connection's"])
 async def test_a_client_gone_dark_holding_a_session_lock_is_let_go_by_the_server(whose: str) -> None:
     """Partition maintenance holds a session-level advisory lock on a pooled connection, and the migrations hold
     one, at a replica's start or in `idemproxy migrate` (on a connection of its own). Should that client go dark
@@ -611,31 +611,46 @@ async def test_a_client_gone_dark_holding_a_session_lock_is_let_go_by_the_server
     session and its lock until its own TCP keepalive gave up, two hours by default: no other replica could
     maintain the partitions, nor start while it waited for the migration lock. Each of those connections now sets
     the server's keepalive on its session as the proxy sets its own (a probe after 2 s idle, then every second, 3
-    unanswered: about 5 s), so the server lets the session go."""
+    unanswered: about 5 s), so the server lets the session go. The LISTEN connection (PostgreSQL alone) holds no
+    lock, only a connection slot: its session is looked for instead."""
     with private_network():
         server = PostgresServer()  # started from this thread: it lives in the private network, dropped packets too
         server.start()
         try:
             config = PostgresConfig(dsn=SecretURL(server.admin_dsn), pool_min=1, pool_max=2)
-            store = PostgresStore(config)
+            store = PostgresStore(config, listen=whose == "the LISTEN connection's")
             await store.open()
             other = await asyncpg.connect(server.admin_dsn)
             try:
                 async with contextlib.AsyncExitStack() as stack:
-                    if whose == "a replica's":
-                        conn, lock = await stack.enter_async_context(store._pool.acquire()), MAINTAIN_LOCK
-                        raw = conn._con
+                    if whose == "the LISTEN connection's":
+                        await until(lambda: store.notifications_live())
+                        raw = store._listener
+                        pid = raw.get_server_pid()
+
+                        async def let_go() -> bool:
+                            return not await other.fetchval("SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+                                                            pid)
                     else:
-                        conn = raw = await migration_connection(config)
-                        lock = MIGRATION_LOCK
-                    await conn.execute("SELECT pg_advisory_lock($1)", lock)
-                    assert not await other.fetchval("SELECT pg_try_advisory_lock($1)", lock)
+                        if whose == "a replica's":
+                            conn, lock = await stack.enter_async_context(store._pool.acquire()), MAINTAIN_LOCK
+                            raw = conn._con
+                        else:
+                            conn = raw = await migration_connection(config)
+                            lock = MIGRATION_LOCK
+                        await conn.execute("SELECT pg_advisory_lock($1)", lock)
+
+                        async def let_go() -> bool:
+                            return bool(await other.fetchval("SELECT pg_try_advisory_lock($1)", lock))
+
+                    assert not await let_go()
                     drop([raw._transport.get_extra_info("sockname")[1]])  # that client's session: dark
                     loop = asyncio.get_running_loop()
                     began = loop.time()
-                    await until_async(lambda: other.fetchval("SELECT pg_try_advisory_lock($1)", lock), timeout=20)
+                    await until_async(let_go, timeout=20)
                     assert loop.time() - began < 12
-                    raw.terminate()  # (dark: a polite close would wait for an answer)
+                    if not raw.is_closed():
+                        raw.terminate()  # (dark: a polite close would wait for an answer)
             finally:
                 await other.close()
                 await store.close()

@@ -533,10 +533,10 @@ _SESSION_SQL = (
     f"SELECT {_at_most('statement_timeout', STATEMENT_TIMEOUT)}, "
     f"{_at_most('idle_in_transaction_session_timeout', IDLE_IN_TRANSACTION_TIMEOUT)}, {_KEEPALIVES}"
 )
-# ``idemproxy migrate``'s own connection: the keepalives alone (a conversion's statements run long, and an
-# operator's role may wait on a lock a while), so an operator's machine gone dark mid-migration lets go of the
-# migration lock, which every replica starting waits for, in seconds.
-_MIGRATE_SESSION_SQL = f"SELECT {_KEEPALIVES}"
+# The connections not pooled: the keepalives alone. ``idemproxy migrate``'s (a conversion's statements run long),
+# so an operator's machine gone dark mid-migration lets go of the migration lock, which every replica starting
+# waits for, in seconds; and the LISTEN connection's, so a replica gone dark frees its connection slot.
+_KEEPALIVE_SQL = f"SELECT {_KEEPALIVES}"
 LISTEN_LIVE_WINDOW = 2.5  # seconds without an answer on it after which notifications count as lost
 
 
@@ -1080,6 +1080,7 @@ class PostgresStore(Store):
         conn.add_termination_listener(lambda _conn: lost.set())
         self._listener = conn
         try:
+            await conn.execute(_KEEPALIVE_SQL)
             await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
             self._heard = time.monotonic()
             self.watchers.notify_all()  # anything that changed while we were not listening
@@ -1506,7 +1507,7 @@ async def migration_connection(config: PostgresConfig) -> Any:
     )
     try:
         keep_alive(conn._transport, USER_TIMEOUT)
-        await conn.execute(_MIGRATE_SESSION_SQL)
+        await conn.execute(_KEEPALIVE_SQL)
     except BaseException as exc:
         conn.terminate()
         if isinstance(exc, (asyncpg.PostgresError, *_CONNECT_ERRORS)):
