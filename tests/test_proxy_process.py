@@ -769,6 +769,16 @@ async def test_a_pass_through_upload_the_upstream_answered_is_not_cut_when_its_b
     assert "answering 408" not in log and "broke mid-stream" not in log, log
 
 
+SEND_CUT = "the client took no byte of its answer for listen.send_timeout (0.5s)"
+
+
+def assert_cut_for_not_reading(proxy: ProxyProcess, times: int) -> None:
+    """The proxy logged ``times`` cuts by ``listen.send_timeout`` (0.5 s here), and no traceback."""
+    log = proxy.log()
+    assert log.count(SEND_CUT) == times, log
+    assert "Traceback" not in log, log
+
+
 async def test_an_answer_the_client_takes_no_byte_of_is_cut_after_listen_send_timeout(
     upstream: RecordingUpstream, proxy_process: Factory, tmp_path: Path
 ) -> None:
@@ -852,9 +862,7 @@ async def test_an_answer_the_client_takes_no_byte_of_is_cut_after_listen_send_ti
     # proxy writes on as it reads) is not cut; one nobody reads is, at send_timeout, not at upstream.timeout.
     assert not await asyncio.to_thread(download, 0.1, 2.0)
     assert await asyncio.to_thread(download, 0, 2.0)
-    log = proxy.log()
-    assert log.count("the client took no byte of its answer for listen.send_timeout (0.5s)") == 3, log
-    assert "Traceback" not in log, log
+    assert_cut_for_not_reading(proxy, times=3)
 
 
 async def test_an_answer_whose_rest_waits_below_the_write_buffer_limit_is_cut_too(
@@ -918,9 +926,7 @@ async def test_an_answer_whose_rest_waits_below_the_write_buffer_limit_is_cut_to
         size = kernel + 32 * 1024
         body = await asyncio.to_thread(ask, key, size, close=close)
         assert body < size, key
-    log = proxy.log()
-    assert log.count("the client took no byte of its answer for listen.send_timeout (0.5s)") == 3, log
-    assert "Traceback" not in log, log
+    assert_cut_for_not_reading(proxy, times=3)
 
 
 async def test_a_connection_cut_for_not_reading_is_reset_its_queue_dropped(
@@ -962,7 +968,7 @@ async def test_a_connection_cut_for_not_reading_is_reset_its_queue_dropped(
         cut, by_send.port, build_request(b"POST", b"/pay", [(b"Idempotency-Key", b"k"), (b"Authorization", b"t"),
                                                             (b"X-Test-Size", b"6000000")], b"{}"))
     assert reset and got < 65536 and left == [], (left, got)
-    assert "the client took no byte of its answer for listen.send_timeout (0.5s)" in by_send.log()
+    assert SEND_CUT in by_send.log()
     left, got, reset = await asyncio.to_thread(
         cut, by_upstream.port, b"GET /stream/download?size=2000000000 HTTP/1.1\r\nHost: proxy\r\n\r\n")
     assert reset and got < 65536 and left == [], (left, got)
