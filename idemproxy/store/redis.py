@@ -393,8 +393,20 @@ class RedisFrontedStore(Store):
                 log.warning("redis subscriber did not stop in time; cancelling it")
                 self._subscriber.cancel()
         with contextlib.suppress(*self._errors):
-            await asyncio.wait_for(self.redis.aclose(), within(CLOSE_TIMEOUT))
+            await asyncio.wait_for(self._close_client(), within(CLOSE_TIMEOUT))
         await self.durable.close(None if timeout is None else within(timeout))
+
+    async def _close_client(self) -> None:
+        try:
+            await self.redis.aclose()
+        finally:
+            if self.config.cluster:
+                # redis-py's cluster client closes nothing while it owes a topology refresh, as it does from any
+                # connection error until its next command (a node lost, no call since): its connections to every
+                # node stayed open. Close its nodes here, each whatever another's close raised (twice is harmless).
+                manager = self.redis.nodes_manager
+                nodes = {id(node): node for node in (*manager.nodes_cache.values(), *manager.startup_nodes.values())}
+                await asyncio.gather(*(node.disconnect() for node in nodes.values()), return_exceptions=True)
 
     async def _pubsub(self, attempt: int) -> tuple[Any, Any]:
         """(client to close, pubsub) on a client of the subscriber's own, with no retries: redis-py would
