@@ -292,10 +292,15 @@ async def test_workers_share_the_port_and_metrics_add_up(
         "upstream": {"url": upstream.url}, "storage": {"postgres": {"dsn": clean_pg, "pool_min": 1}},
         "workers": 2, "log": {"access": "off"},
     }))
-    proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "idemproxy", "serve", "--config", str(config)],
+                                stdout=out, stderr=subprocess.STDOUT)
     try:
-        await wait_ready(f"http://127.0.0.1:{admin}", proc)
+        await wait_ready(f"http://127.0.0.1:{admin}", proc, log=log.read_text)
+        # Both workers listening before the requests: one ready is not both (on a loaded run the second was
+        # still starting when the first had served all 20 and was told to stop, and never said it served).
+        await until(lambda: log.read_text().count("idemproxy serving on") == 2, timeout=30)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
             headers = {"Authorization": "t"}
             for i in range(20):  # new connections each time, spread by the kernel over the workers
@@ -309,7 +314,8 @@ async def test_workers_share_the_port_and_metrics_add_up(
         assert upstream.count() == 20
     finally:
         proc.terminate()
-        output = proc.communicate(timeout=30)[0].decode()
+        proc.wait(timeout=30)
+    output = log.read_text()
     assert proc.returncode == 0, output
     assert len(set(re.findall(r"started 2 workers: \[(\d+), (\d+)\]", output)[0])) == 2
     # each worker's start-up line shows the config in force: 2 workers (each said "workers":1, its own count)
