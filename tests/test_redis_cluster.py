@@ -4,7 +4,9 @@ across nodes, and a master killed mid-run (the proxy keeps answering from Postgr
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -21,6 +23,25 @@ from tests.upstream import RecordingUpstream
 FP = "f" * 64
 OK = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
 CHARGE = {"amount": 1000, "currency": "eur"}
+
+
+@pytest.fixture(autouse=True)
+async def orphaned_sockets_closed_in_this_loop() -> AsyncIterator[None]:
+    """redis-py's cluster client, when a call is cut short during a topology refresh, can also leave a connection
+    to background tasks and to the garbage collector, referenced by nothing the store can close. Let those tasks
+    finish and collect the rest while this test's loop still runs: found after the loop has closed, they surface
+    as unclosed-socket warnings in whatever test the collector happens to run in (seen once in a fresh-clone run
+    without this fixture: a redis-py Connection to a cluster node, collected at the next test's setup). The
+    store's own connections are another matter: its close closes them, and test_closing_after_a_node_was_lost
+    checks it on the nodes themselves. (Set up first, so torn down after the proxies and stores have closed.)"""
+    yield
+    current = asyncio.current_task()
+    others = [task for task in asyncio.all_tasks() if task is not current]
+    if others:
+        await asyncio.wait(others, timeout=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # the collector closes each as it finds it
+        gc.collect()
 
 
 @pytest.fixture
