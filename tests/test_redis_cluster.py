@@ -27,13 +27,13 @@ CHARGE = {"amount": 1000, "currency": "eur"}
 
 @pytest.fixture(autouse=True)
 async def orphaned_sockets_closed_in_this_loop() -> AsyncIterator[None]:
-    """redis-py's cluster client, when a call is cut short during a topology refresh, can also leave a connection
-    to background tasks and to the garbage collector, referenced by nothing the store can close. Let those tasks
-    finish and collect the rest while this test's loop still runs: found after the loop has closed, they surface
-    as unclosed-socket warnings in whatever test the collector happens to run in (seen once in a fresh-clone run
-    without this fixture: a redis-py Connection to a cluster node, collected at the next test's setup). The
-    store's own connections are another matter: its close closes them, and test_closing_after_a_node_was_lost
-    checks it on the nodes themselves. (Set up first, so torn down after the proxies and stores have closed.)"""
+    """redis-py's cluster client hands the disconnection of the nodes a topology refresh drops to background
+    tasks (NodesManager.set_nodes): let them finish, and collect what they leave, while this test's loop still
+    runs. Found after the loop has closed, such sockets surface as unclosed-socket warnings in whatever test the
+    collector happens to run in. The store's own connections are not left to this: its close closes them, the
+    one that woke its subscriber included (test_closing_after_a_node_was_lost_closes_every_connection asks the
+    nodes). To see what this collects, run the file without it under `-p tests.leakcheck`, which names where each
+    socket left open was made. (Set up first, so torn down after the stores have closed.)"""
     yield
     current = asyncio.current_task()
     others = [task for task in asyncio.all_tasks() if task is not current]

@@ -392,6 +392,12 @@ class RedisFrontedStore(Store):
             if not self._subscriber.done():
                 log.warning("redis subscriber did not stop in time; cancelling it")
                 self._subscriber.cancel()
+            if wake is not None and wake is not self.redis:
+                # The publish took a connection of its own from the subscriber's client, and could hand it back
+                # after the subscriber, woken, had closed that client: it stayed open until the collector found
+                # it. Closed again now that both are done.
+                with contextlib.suppress(*self._errors):
+                    await asyncio.wait_for(wake.aclose(), max(within(CLOSE_TIMEOUT), CLOSE_FLOOR))
         with contextlib.suppress(*self._errors):
             await asyncio.wait_for(self._close_client(), within(CLOSE_TIMEOUT))
         await self.durable.close(None if timeout is None else within(timeout))
