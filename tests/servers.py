@@ -258,6 +258,21 @@ class RedisClusterServers:
         self.ports = [_cluster_port() for _ in range(masters * (1 + replicas))]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
+    def _spawn(self, port: int) -> None:
+        """Start the node of ``port`` in its own directory: a new node, or a killed one again (its nodes.conf
+        there names its cluster; with no persistence its data is gone)."""
+        node_dir = self.dir / str(port)
+        node_dir.mkdir(exist_ok=True)
+        log = node_dir / "redis.log"
+        with log.open("ab") as out:
+            self.procs[port] = subprocess.Popen(
+                [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", str(self.node_timeout_ms)],
+                stdout=out, stderr=subprocess.STDOUT,
+            )
+        _wait_for_port(port, 10, self.procs[port], log)
+
     def _find_cli(self) -> str:
         beside = Path(self.binary).parent / "redis-cli"
         for candidate in (str(beside), shutil.which("redis-cli")):
@@ -271,17 +286,7 @@ class RedisClusterServers:
 
     def start(self) -> None:
         for port in self.ports:
-            node_dir = self.dir / str(port)
-            node_dir.mkdir()
-            log = node_dir / "redis.log"
-            with log.open("ab") as out:
-                self.procs[port] = subprocess.Popen(
-                    [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                     "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", str(self.node_timeout_ms)],
-                    stdout=out, stderr=subprocess.STDOUT,
-                )
-            _wait_for_port(port, 10, self.procs[port], log)
+            self._spawn(port)
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
         subprocess.run([self.cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas),
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
@@ -322,6 +327,16 @@ class RedisClusterServers:
         proc = self.procs.pop(port)
         proc.kill()
         proc.wait(10)
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again: it rejoins empty, as a replica if its slots went to another node meanwhile,
+        otherwise as their master (with none of their keys)."""
+        assert port not in self.procs, f"node {port} is running"
+        self._spawn(port)
+
+    def signal(self, port: int, signum: int) -> None:
+        """Send ``signum`` to a live node (SIGSTOP / SIGCONT: a node that stops answering, then comes back)."""
+        self.procs[port].send_signal(signum)
 
     def destroy(self) -> None:
         for port in list(self.procs):

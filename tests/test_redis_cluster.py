@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis as sync_redis
+import uvloop
 
 from idemproxy.config import load_config
 from idemproxy.store import StoredResponse, build_store
@@ -185,3 +186,36 @@ async def test_closing_after_a_node_was_lost_closes_every_connection(
     while left := {port: clients_of(port) for port in cluster.procs if clients_of(port)}:
         assert loop.time() < deadline, left  # (a node drops a closed connection at its next loop turn)
         await asyncio.sleep(0.05)
+
+
+def test_a_write_on_a_connection_closed_under_the_client_is_redis_failing(
+    cluster: RedisClusterServers, pg_dsn: str
+) -> None:
+    """On uvloop (the proxy's loop, so this test runs on it) a write on a transport already closed raises
+    RuntimeError ("unable to perform operation on <TCPTransport closed=True ...>; the handler is closed"), and
+    redis-py's cluster client writes on connections its topology refresh is disconnecting: the cluster fault storm
+    got a 500 from it, a claim in the handshake of such a connection. Each node's idle connections are closed
+    here under the client, which still holds them as connected: the claims must be decided by PostgreSQL."""
+    prefix = f"closed-{random.getrandbits(32):08x}"
+
+    async def scenario() -> None:
+        config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": section(cluster, pg_dsn)})
+        store = build_store(config.storage)
+        assert isinstance(store, RedisFrontedStore)
+        await store.open()
+        try:
+            for i in range(12):  # keys on every master: an idle connection to each
+                await store.claim("t", f"{prefix}-{i}", FP, lease=30, ttl=60)
+            closed = 0
+            for node in store.redis.get_nodes():
+                for connection in node._free:
+                    connection._writer.transport.abort()
+                    closed += 1
+            assert closed >= 3
+            for i in range(12, 24):
+                claim = await store.claim("t", f"{prefix}-{i}", FP, lease=30, ttl=60)
+                assert claim.owned, i
+        finally:
+            await store.close()
+
+    uvloop.run(scenario())

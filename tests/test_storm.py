@@ -10,6 +10,11 @@ restarted in immediate mode, Redis is restarted empty, and the upstream executes
 answering. Afterwards every key is read once more, and the upstream's own log of what it executed is held against
 what the clients were told. Every violation is collected and printed before the test fails.
 
+test_storm_on_a_redis_cluster runs the same storm with `storage.redis.cluster: true` on a real Redis Cluster (three
+masters, a replica each). Its Redis faults are the cluster's own: a master killed and started again empty (back
+before or after its replica was promoted), a master stopped past the failover timeout (it wakes up demoted, its
+unreplicated writes lost), and every node stopped at once.
+
   IDEMPROXY_STORM_SEED=1234      replay a run (the seed is printed; timing still varies)
   IDEMPROXY_STORM_SECONDS=600    the long form (default: 25 s of faults)
   IDEMPROXY_STORM_WAIT=1         duplicates wait for the owner (in_flight: wait) instead of getting 409
@@ -35,12 +40,13 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
+import redis as sync_redis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.proxyproc import ProxyProcess
 from tests.relay import Relay
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import PostgresServer, RedisClusterServers, RedisServer
 
 STORM_SECONDS = float(os.environ.get("IDEMPROXY_STORM_SECONDS", "25"))
 # IDEMPROXY_STORM_LEASE=1.5 attacks a lease just over upstream.timeout (1 s): the forward is then cut at the lease
@@ -69,6 +75,9 @@ BASE_DROP_RATE = 0.01  # the upstream executes and hangs up without answering, n
 STORM_DROP_RATE = 0.3  # ...and often during an upstream_drop fault
 FAULT_KINDS = ("kill_proxy", "pause_proxy", "pg_cut", "pg_stall", "pg_restart", "redis_cut", "redis_stall",
                "redis_restart", "upstream_drop")
+CLUSTER_FAULT_KINDS = ("kill_proxy", "pause_proxy", "pg_cut", "pg_stall", "pg_restart", "redis_master_kill",
+                       "redis_master_pause", "redis_freeze", "upstream_drop")
+NODE_TIMEOUT_MS = 1000  # the cluster's: a master silent this long is failed over (plus the election, about 1 s)
 WORK_SECONDS = (0.02, 0.4)  # how long the upstream takes; well under upstream.timeout (1 s)
 PATH = "/v1/charges"
 EXAMPLES = 6
@@ -156,8 +165,9 @@ class Storm:
     proxies: list[ProxyProcess]
     pg: PostgresServer
     pg_relay: Relay
-    redis: RedisServer
-    redis_relay: Relay
+    redis: RedisServer | None = None  # a single Redis behind a relay...
+    redis_relay: Relay | None = None
+    cluster: RedisClusterServers | None = None  # ...or a cluster, faulted node by node
     rng: random.Random = field(init=False)
     live: set[int] = field(init=False)
     keys: dict[str, KeyPlan] = field(default_factory=dict)
@@ -172,6 +182,11 @@ class Storm:
     def __post_init__(self) -> None:
         self.rng = random.Random(f"{self.seed}:faults")
         self.live = set(range(len(self.proxies)))
+        assert (self.cluster is None) == (self.redis is not None and self.redis_relay is not None)
+
+    @property
+    def fault_kinds(self) -> tuple[str, ...]:
+        return FAULT_KINDS if self.cluster is None else CLUSTER_FAULT_KINDS
 
     # ------------------------------------------------------------------ clients
 
@@ -257,7 +272,7 @@ class Storm:
         cycle: list[str] = []
         while time.monotonic() < end:
             if not cycle:  # every kind once per cycle, in a seeded order
-                cycle = list(FAULT_KINDS)
+                cycle = list(self.fault_kinds)
                 self.rng.shuffle(cycle)
             fault = Fault(cycle.pop(), time.monotonic())
             self.faults.append(fault)
@@ -311,9 +326,11 @@ class Storm:
         await self._cut(self.pg_relay, fault, 2, 6, stall=True)
 
     async def _redis_cut(self, fault: Fault) -> None:
+        assert self.redis_relay is not None
         await self._cut(self.redis_relay, fault, 1, 3)
 
     async def _redis_stall(self, fault: Fault) -> None:
+        assert self.redis_relay is not None
         await self._cut(self.redis_relay, fault, 1, 4, stall=True)
 
     async def _pg_restart(self, fault: Fault) -> None:
@@ -324,11 +341,59 @@ class Storm:
         fault.detail = f"down {time.monotonic() - fault.start:.1f}s"
 
     async def _redis_restart(self, fault: Fault) -> None:
+        assert self.redis is not None
         down = self.rng.uniform(0, 1)
         await asyncio.to_thread(self.redis.stop)  # SIGKILL, no persistence: it comes back empty
         await asyncio.sleep(down)
         await asyncio.to_thread(self.redis.start)
         fault.detail = f"down {time.monotonic() - fault.start:.1f}s"
+
+    async def _redis_master_kill(self, fault: Fault) -> None:
+        """SIGKILL a master and start it again, empty: back before its replica was promoted it serves its slots
+        again with none of their keys (its replica resyncs to empty); back after, it rejoins as a replica."""
+        cluster = self._cluster()
+        victim = self.rng.choice(await asyncio.to_thread(cluster.masters))
+        down = self.rng.uniform(0.3, 3.5)
+        await asyncio.to_thread(cluster.kill, victim)
+        await asyncio.sleep(down)
+        await asyncio.to_thread(cluster.restart, victim)
+        await self._cluster_ok(fault, f"{victim} down {down:.1f}s")
+
+    async def _redis_master_pause(self, fault: Fault) -> None:
+        """SIGSTOP a master, past the failover timeout more often than not: it wakes up to find itself demoted,
+        and what it had not yet passed to its replica is gone."""
+        cluster = self._cluster()
+        victim = self.rng.choice(await asyncio.to_thread(cluster.masters))
+        paused = self.rng.uniform(0.5, 4)
+        cluster.signal(victim, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(paused)
+        finally:
+            cluster.signal(victim, signal.SIGCONT)
+        await self._cluster_ok(fault, f"{victim} paused {paused:.1f}s")
+
+    async def _redis_freeze(self, fault: Fault) -> None:
+        """SIGSTOP every node at once: the whole cluster answers nobody for a while, then all of it wakes up."""
+        cluster = self._cluster()
+        paused = self.rng.uniform(1, 4)
+        ports = list(cluster.procs)
+        for port in ports:
+            cluster.signal(port, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(paused)
+        finally:
+            for port in ports:
+                cluster.signal(port, signal.SIGCONT)
+        await self._cluster_ok(fault, f"all {len(ports)} nodes paused {paused:.1f}s")
+
+    def _cluster(self) -> RedisClusterServers:
+        assert self.cluster is not None
+        return self.cluster
+
+    async def _cluster_ok(self, fault: Fault, detail: str) -> None:
+        """Until every slot is served again (the next fault starts from a whole cluster)."""
+        await asyncio.to_thread(self._cluster().wait_ok)
+        fault.detail = f"{detail}, whole again after {time.monotonic() - fault.start:.1f}s"
 
     async def _upstream_drop(self, fault: Fault) -> None:
         seconds = self.rng.uniform(2, 3)
@@ -340,8 +405,13 @@ class Storm:
     def assert_restored(self) -> None:
         assert self.live == set(range(len(self.proxies)))
         assert all(p.proc is not None and p.proc.poll() is None for p in self.proxies)
-        assert self.pg_relay.mode == "open" and self.redis_relay.mode == "open"
-        assert self.redis.proc is not None and self.upstream.drop_rate == BASE_DROP_RATE
+        assert self.pg_relay.mode == "open" and self.upstream.drop_rate == BASE_DROP_RATE
+        if self.cluster is not None:
+            assert sorted(self.cluster.procs) == sorted(self.cluster.ports)
+            assert all(proc.poll() is None for proc in self.cluster.procs.values())
+        else:
+            assert self.redis_relay is not None and self.redis_relay.mode == "open"
+            assert self.redis is not None and self.redis.proc is not None
 
     def faults_near(self, start: float, end: float) -> list[Fault]:
         return [f for f in self.faults if f.start <= end and (f.end or float("inf")) >= start]
@@ -448,6 +518,7 @@ class Verdict:
         faults = Counter(f.kind for f in storm.faults)
         lines = [
             f"storm seed={storm.seed} seconds={STORM_SECONDS:g} lease={LEASE:g} sealed={SEAL} "
+            f"redis={'cluster' if storm.cluster is not None else 'single'} "
             f"wait={IDEMPOTENCY.get('in_flight') == 'wait'} cache_ttl={CACHE_TTL} "
             f"(replay: IDEMPROXY_STORM_SEED={storm.seed})",
             f"keys={len(storm.keys)} requests={storm.requests} executions={len(storm.upstream.executions)} "
@@ -471,14 +542,14 @@ class Verdict:
 STORM_KEY = base64.b64encode(os.urandom(32)).decode()
 
 
-def proxy_config(upstream_url: str, pg_dsn: str, redis_url: str) -> dict[str, Any]:
+def proxy_config(upstream_url: str, pg_dsn: str, redis_url: str, cluster: bool = False) -> dict[str, Any]:
     return {
         "upstream": {"url": upstream_url, "timeout": "1s", "connect_timeout": "1s"},
         "idempotency": dict(IDEMPOTENCY),
         "tenant": {"from": "header", "header": "Authorization"},
         "storage": {
             "postgres": {"dsn": pg_dsn, "pool_min": 1, "pool_max": 5},
-            "redis": {"url": redis_url, "key_prefix": "storm:", "replay_cache_ttl": CACHE_TTL},
+            "redis": {"url": redis_url, "key_prefix": "storm:", "replay_cache_ttl": CACHE_TTL, "cluster": cluster},
             **({"compression": {"min_size": 0}, "encryption": {"key": STORM_KEY}} if SEAL else {}),
         },
         "log": {"access": "off"},
@@ -505,21 +576,63 @@ async def test_storm(
     own_pg: PostgresServer, own_pg_dsn: str, running_redis: RedisServer, relays: tuple[Relay, Relay],
     proxy_process: Callable[..., ProxyProcess],
 ) -> None:
+    pg_relay, redis_relay = relays
+    await storm_and_verdict(
+        lambda upstream_url: proxy_config(upstream_url, via(own_pg_dsn, pg_relay), via(running_redis.url,
+                                                                                       redis_relay)),
+        proxy_process,
+        lambda seed, upstream, proxies: Storm(seed, upstream, proxies, own_pg, pg_relay, redis=running_redis,
+                                              redis_relay=redis_relay),
+    )
+
+
+@pytest.fixture
+def storm_cluster() -> Iterator[RedisClusterServers]:
+    servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS)
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.destroy()
+
+
+@pytest.mark.timeout(STORM_SECONDS + 2 * SETTLE_GRACE + 120)
+async def test_storm_on_a_redis_cluster(
+    own_pg: PostgresServer, own_pg_dsn: str, storm_cluster: RedisClusterServers,
+    proxy_process: Callable[..., ProxyProcess],
+) -> None:
+    with Relay("127.0.0.1", own_pg.port, name="pg") as pg_relay:
+        await storm_and_verdict(
+            lambda upstream_url: proxy_config(upstream_url, via(own_pg_dsn, pg_relay), storm_cluster.url,
+                                              cluster=True),
+            proxy_process,
+            lambda seed, upstream, proxies: Storm(seed, upstream, proxies, own_pg, pg_relay, cluster=storm_cluster),
+        )
+    copies = 0
+    for port in await asyncio.to_thread(storm_cluster.masters):
+        with sync_redis.Redis(port=port) as node:
+            copies += int(node.dbsize())
+    assert copies, "no key in the cluster: the storm never took the Redis fast path"
+
+
+async def storm_and_verdict(
+    config_for: Callable[[str], dict[str, Any]], proxy_process: Callable[..., ProxyProcess],
+    make_storm: Callable[[int, StormUpstream, list[ProxyProcess]], Storm],
+) -> None:
+    """Start the upstream and the replicas, run the storm, and fail with every violation the verdict finds."""
     seed = int(os.environ.get("IDEMPROXY_STORM_SEED") or random.SystemRandom().randrange(1, 1_000_000))
     print(f"\nstorm seed={seed} (IDEMPROXY_STORM_SEED={seed} replays the schedule)")
-    pg_relay, redis_relay = relays
     upstream = StormUpstream(random.Random(f"{seed}:upstream"))
     upstream.drop_rate = BASE_DROP_RATE
     server = TestServer(upstream.app(), host="127.0.0.1")
     await server.start_server()
     proxies: list[ProxyProcess] = []
     try:
-        config = proxy_config(str(server.make_url("")).rstrip("/"), via(own_pg_dsn, pg_relay),
-                              via(running_redis.url, redis_relay))
+        config = config_for(str(server.make_url("")).rstrip("/"))
         proxies = [proxy_process(config, name=f"storm{i}") for i in range(REPLICAS)]
         await proxies[0].start()  # creates the schema
         await asyncio.gather(*(p.start() for p in proxies[1:]))
-        storm = Storm(seed, upstream, proxies, own_pg, pg_relay, running_redis, redis_relay)
+        storm = make_storm(seed, upstream, proxies)
         await run_storm(storm)
     finally:
         await asyncio.gather(*(asyncio.to_thread(p.stop) for p in proxies))

@@ -156,9 +156,12 @@ _ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 _FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
 # redis-py's async cluster client can fail with AttributeError/TypeError while a lost node's connections are torn
 # down under commands still using them, or while its slot map is briefly inconsistent (redis/redis-py#3546,
-# #3835; seen here as "'NoneType' object has no attribute 'writelines'" when a master is killed). On a cluster
-# these count as Redis failing too: the durable store answers instead of the request getting a 500.
-_CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError)
+# #3835; seen here as "'NoneType' object has no attribute 'writelines'" when a master is killed), and with
+# uvloop's RuntimeError when it writes on a connection closed meanwhile ("unable to perform operation on
+# <TCPTransport closed=True ...>; the handler is closed": found by the cluster fault storm, a claim in the
+# handshake of a connection a topology refresh was disconnecting). On a cluster these count as Redis failing
+# too: the durable store answers instead of the request getting a 500.
+_CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError, RuntimeError)
 # A replay-cache copy that does not decode (another version's format, a key-prefix collision, bytes changed in
 # Redis): Redis answered, so it is no Redis failure (no breaker); the copy is dropped and the durable store answers.
 _GARBLED = (ValueError, KeyError, IndexError, TypeError, RecursionError)
