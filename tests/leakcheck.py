@@ -1,5 +1,5 @@
-"""Opt-in pytest plugin (`pytest -p tests.leakcheck`): a test that leaves a socket, or an asyncio socket
-transport, open past its end errors in its own teardown, naming where the socket was made.
+"""A pytest plugin (`pytest -p tests.leakcheck`, on in `make test`): a test that leaves a socket, or an asyncio
+socket transport, open past its end errors in its own teardown, naming where the socket was made.
 
 Without it such a leak surfaces as an unclosed-socket ResourceWarning (an error in this suite) whenever the
 garbage collector next runs, under whatever test runs then, and only if the socket has become garbage by then:

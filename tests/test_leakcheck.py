@@ -1,4 +1,5 @@
-"""The opt-in leak check (`-p tests.leakcheck`) names the test that leaves a socket or a transport open."""
+"""The leak check (`-p tests.leakcheck`, on in `make test`) names the test that leaves a socket or a transport
+open."""
 
 from __future__ import annotations
 
