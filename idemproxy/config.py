@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import unquote_plus, urlsplit, urlunsplit
+from urllib.parse import parse_qs, unquote_plus, urlsplit, urlunsplit
 
 import yaml
 from yarl import URL
@@ -1183,6 +1183,8 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
             "storage.redis",
             "Redis alone is refused: it is not durable; add storage.postgres (Redis is its fast path)",
         )
+    if storage.redis is not None:
+        _redis_url_fits(loader, storage.redis)
     if config.workers > 1 and storage.postgres is None:
         loader.error(
             "workers",
@@ -1192,6 +1194,31 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
         loader.error("storage.postgres.pool_min", "must not exceed storage.postgres.pool_max")
     if config.tracing.endpoint and config.tracing.exporter != "otlp":
         loader.error("tracing.endpoint", f"is only used with exporter: otlp (not {config.tracing.exporter})")
+
+
+def _redis_url_fits(loader: _Loader, redis: RedisConfig) -> None:
+    """What ``storage.redis.url`` may say depends on ``cluster``: several hosts (``h1:6379,h2:6379``) are the nodes
+    a cluster client may learn the cluster from, a single Redis has one; a cluster has database 0 only and is not
+    reached through a unix socket. Each passed check-config and then failed ``serve``."""
+    parts = urlsplit(redis.url.reveal())
+    hosts = parts.netloc.rpartition("@")[2].split(",")
+    shown = repr(redis.url.masked())
+    path = "storage.redis.url"
+    database = parse_qs(parts.query).get("db", [""])[-1] or (parts.path.strip("/") if parts.scheme != "unix" else "")
+    if database and not database.isdigit():
+        loader.error(path, f"{shown}: the database {database!r} is not a number")
+    elif not redis.cluster:
+        if len(hosts) > 1:
+            loader.error(path, f"{shown} names {len(hosts)} hosts: only a Redis Cluster's url may "
+                         "(storage.redis.cluster: true), each a node to learn the cluster from")
+    elif parts.scheme == "unix":
+        loader.error(path, f"{shown}: a Redis Cluster is not reached through a unix socket "
+                     "(storage.redis.cluster: true): name its nodes' hosts and ports")
+    elif not all(hosts):
+        loader.error(path, f"{shown} has an empty host in its list of nodes")
+    elif database and int(database) != 0:
+        loader.error(path, f"{shown}: a Redis Cluster has database 0 only (storage.redis.cluster: true), "
+                     f"not {database}")
 
 
 def _own_ports(loader: _Loader, listen: ListenConfig, admin: AdminConfig) -> None:

@@ -247,13 +247,16 @@ def _cluster_port() -> int:
 class RedisClusterServers:
     """A Redis Cluster of real ``redis-server --cluster-enabled yes`` nodes on free loopback ports: ``masters``
     masters, each with ``replicas`` replicas, slots assigned by ``redis-cli --cluster create``. kill() one node
-    to lose it (a replica, if any, is promoted after ``node_timeout_ms``); destroy() stops them all."""
+    to lose it (a replica, if any, is promoted after ``node_timeout_ms``); destroy() stops them all. With a
+    ``password``, every node requires it (AUTH), of clients and of each other."""
 
-    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000, password: str = "") -> None:
         self.binary = RedisServer._find()
         self.cli = self._find_cli()
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
+        self.password = password
+        self._auth = ["-a", password, "--no-auth-warning"] if password else []
         self.dir = Path(tempfile.mkdtemp(prefix="idemproxy-redis-cluster-"))
         self.ports = [_cluster_port() for _ in range(masters * (1 + replicas))]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -268,7 +271,8 @@ class RedisClusterServers:
             self.procs[port] = subprocess.Popen(
                 [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", str(self.node_timeout_ms)],
+                 "--cluster-node-timeout", str(self.node_timeout_ms),
+                 *(["--requirepass", self.password, "--masterauth", self.password] if self.password else [])],
                 stdout=out, stderr=subprocess.STDOUT,
             )
         _wait_for_port(port, 10, self.procs[port], log)
@@ -282,13 +286,13 @@ class RedisClusterServers:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
+        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.ports[0]}/0"
 
     def start(self) -> None:
         for port in self.ports:
             self._spawn(port)
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
-        subprocess.run([self.cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas),
+        subprocess.run([self.cli, *self._auth, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas),
                         "--cluster-yes"], check=True, capture_output=True, timeout=60)
         self.wait_ok()
         # Slots served is not roles known: for a moment a node may still list a new replica as a master.
@@ -297,7 +301,8 @@ class RedisClusterServers:
                          "every node did not see the cluster's masters and replicas")
 
     def info(self, port: int, command: str = "CLUSTER INFO") -> str:
-        result = subprocess.run([self.cli, "-p", str(port), *command.split()], capture_output=True, timeout=10)
+        result = subprocess.run([self.cli, *self._auth, "-p", str(port), *command.split()], capture_output=True,
+                                timeout=10)
         return result.stdout.decode(errors="replace")
 
     def wait_ok(self, timeout: float = 30) -> None:

@@ -246,6 +246,11 @@ def test_storage_at_scale_keys_and_their_defaults() -> None:
     assert config.storage.redis is not None and config.storage.redis.cluster is True
     plain = yaml.safe_load(dump_yaml(config))
     assert plain["storage"]["postgres"]["partitions"] == "none" and plain["storage"]["redis"]["cluster"] is True
+    # a cluster's url may name several nodes, any of which answering is enough to learn the cluster from
+    nodes = "rediss://:pw@c1:6379,[2001:db8::1]:6380,c3/0"
+    config = load_config({"upstream": UP, "storage": {"postgres": {}, "redis": {"url": nodes, "cluster": True}}},
+                         env={})
+    assert config.storage.redis is not None and config.storage.redis.url.reveal() == nodes
 
 
 def test_top_level_upstream_timeout_is_checked_only_against_routes_using_it() -> None:
@@ -429,6 +434,25 @@ async def test_a_token_in_an_upstream_or_collector_url_is_masked_in_check_config
         ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
                                       "redis": {"url": "redis://:pw-SECRET@cache:99999/0"}}},
          "storage.redis.url: 'redis://:***@cache:99999/0' is not a valid URL"),
+        # what the url may say depends on cluster (each passed check-config, then `serve` died with "unexpected")
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
+                                      "redis": {"url": "redis://:pw-SECRET@c1:6379,c2:6379/0"}}},
+         "storage.redis.url: 'redis://:***@c1:6379,c2:6379/0' names 2 hosts: only a Redis Cluster's url may"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
+                                      "redis": {"url": "redis://:pw-SECRET@c1:6379/3", "cluster": True}}},
+         "storage.redis.url: 'redis://:***@c1:6379/3': a Redis Cluster has database 0 only"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
+                                      "redis": {"url": "redis://c1:6379/0?db=2", "cluster": True}}},
+         "storage.redis.url: 'redis://c1:6379/0?db=2': a Redis Cluster has database 0 only"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
+                                      "redis": {"url": "unix:///run/redis.sock", "cluster": True}}},
+         "storage.redis.url: 'unix:///run/redis.sock': a Redis Cluster is not reached through a unix socket"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
+                                      "redis": {"url": "redis://c1:6379,,c2:6379/0", "cluster": True}}},
+         "storage.redis.url: 'redis://c1:6379,,c2:6379/0' has an empty host in its list of nodes"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
+                                      "redis": {"url": "redis://:pw-SECRET@cache/zero"}}},
+         "storage.redis.url: 'redis://:***@cache/zero': the database 'zero' is not a number"),
     ],
 )
 def test_a_bad_url_is_one_error_naming_the_key_and_no_secret(raw: dict[str, Any], expected: str) -> None:

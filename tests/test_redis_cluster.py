@@ -16,7 +16,7 @@ import uvloop
 
 from idemproxy.config import load_config
 from idemproxy.store import StoredResponse, build_store
-from idemproxy.store.redis import RedisFrontedStore
+from idemproxy.store.redis import RedisFrontedStore, at_node, cluster_nodes
 from tests.conftest import ProxyFactory
 from tests.servers import RedisClusterServers
 from tests.upstream import RecordingUpstream
@@ -55,9 +55,28 @@ def cluster() -> Iterator[RedisClusterServers]:
         servers.destroy()
 
 
-def section(cluster: RedisClusterServers, pg_dsn: str) -> dict[str, Any]:
+@pytest.fixture
+def guarded_cluster() -> Iterator[RedisClusterServers]:
+    """A cluster whose every node requires a password (AUTH), as production ones do."""
+    servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000, password="pw-of-the-cluster")
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.destroy()
+
+
+def section(cluster: RedisClusterServers, pg_dsn: str, url: str = "") -> dict[str, Any]:
     return {"postgres": {"dsn": pg_dsn, "pool_min": 1, "pool_max": 10},
-            "redis": {"url": cluster.url, "key_prefix": "cl:", "cluster": True}}
+            "redis": {"url": url or cluster.url, "key_prefix": "cl:", "cluster": True}}
+
+
+async def open_store(cluster: RedisClusterServers, pg_dsn: str, url: str = "") -> RedisFrontedStore:
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": section(cluster, pg_dsn, url)})
+    store = build_store(config.storage)
+    assert isinstance(store, RedisFrontedStore)
+    await store.open()
+    return store
 
 
 @pytest.fixture
@@ -219,3 +238,60 @@ def test_a_write_on_a_connection_closed_under_the_client_is_redis_failing(
             await store.close()
 
     uvloop.run(scenario())
+
+
+async def test_a_cluster_that_requires_a_password_carries_completions(
+    guarded_cluster: RedisClusterServers, clean_pg: str
+) -> None:
+    """The subscriber's client to one node was built from the node's host and port alone, without the url's
+    password: a cluster requiring AUTH refused it, so no completion was ever heard (a waiter woke only at its own
+    next look, and no replay was answered from memory, which needs live notifications)."""
+    first, second = [await open_store(guarded_cluster, clean_pg) for _ in range(2)]
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while not (first.notifications_live() and second.notifications_live()):
+            assert loop.time() < deadline, "a subscriber never heard the cluster"
+            await asyncio.sleep(0.05)
+        claim = await first.claim("t", "pw", FP, lease=30, ttl=60)
+        with second.watch("t", "pw") as changed:
+            await first.complete(claim, OK, ttl=60)
+            await asyncio.wait_for(changed, 2)
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_the_store_learns_the_cluster_from_any_node_its_url_names(
+    guarded_cluster: RedisClusterServers, clean_pg: str
+) -> None:
+    """With one node in the url and that node down, a store opened meanwhile ran on PostgreSQL alone until it
+    came back, however whole the rest of the cluster was. A url may name several (as a PostgreSQL dsn may), each
+    reached with the url's credentials: the first that answers is enough."""
+    masters = guarded_cluster.masters()
+    down = next(port for port in guarded_cluster.procs if port not in masters)  # a replica: no failover to wait for
+    guarded_cluster.kill(down)
+    url = f"redis://:{guarded_cluster.password}@127.0.0.1:{down},127.0.0.1:{masters[0]}/0"
+    store = await open_store(guarded_cluster, clean_pg, url)
+    try:
+        for i in range(12):
+            claim = await store.claim("t", f"any{i}", FP, lease=30, ttl=60)
+            assert claim.owned
+            assert await store.complete(claim, OK, ttl=60)
+        statements = store.durable.statements  # type: ignore[attr-defined]
+        for i in range(12):
+            replay = await store.claim("t", f"any{i}", FP, lease=30, ttl=60)
+            assert not replay.owned and replay.record.response == OK
+        assert store.durable.statements == statements  # type: ignore[attr-defined]  # every replay from Redis
+    finally:
+        await store.close()
+
+
+def test_a_url_naming_several_nodes_gives_each_its_credentials_and_tls() -> None:
+    url = "rediss://app:p%40ss@c1:7000,[2001:db8::1]:7001,c3/0?ssl_cert_reqs=none"
+    assert cluster_nodes(url) == ("rediss://app:p%40ss@c1:7000/0?ssl_cert_reqs=none",
+                                  [("2001:db8::1", 7001), ("c3", 6379)])
+    assert cluster_nodes("redis://c1:7000/0") == ("redis://c1:7000/0", [])
+    # the subscriber's client to one node: the url's credentials, TLS and options, that node's address
+    assert at_node(url, "2001:db8::2", 7005) == "rediss://app:p%40ss@[2001:db8::2]:7005/0?ssl_cert_reqs=none"
+    assert at_node("redis://c1:7000", "10.0.0.1", 7005) == "redis://10.0.0.1:7005"

@@ -10,7 +10,8 @@ circuit breaker then skips Redis for a short while so an outage costs one failed
 All keys of one (tenant, key) share a hash tag so Redis Cluster keeps them in one slot.
 
 With ``cluster: true`` the client is redis-py's cluster client: it learns the slot map from the node the url
-names, follows MOVED/ASK, and re-reads the map after a failover. Every script touches the keys of one (tenant,
+names (from the first that answers, when the url names several: ``redis://h1:6379,h2:6379/0``), follows MOVED/ASK,
+and re-reads the map after a failover. Every script touches the keys of one (tenant,
 key) only, so each runs on the one master of that slot. Notifications stay classic PUBLISH (from inside the
 scripts): Redis Cluster broadcasts a classic PUBLISH to every node, so the subscriber listens on any one node and
 moves to the next when that node is lost. Sharded pub/sub (SPUBLISH) would spare that broadcast, but a script may
@@ -28,9 +29,10 @@ import re
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -148,6 +150,7 @@ redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
 """
+DEFAULT_PORT = 6379  # a node named without a port (redis-py's default too)
 UNKNOWN_EPOCH = "?"  # never equals a stored epoch: a writer that never read one may not fill the cache
 
 # RedisClusterException (no node reachable to learn the slot map from) is no RedisError.
@@ -168,6 +171,26 @@ _GARBLED = (ValueError, KeyError, IndexError, TypeError, RecursionError)
 _NUMBER = (int, float)
 # Characters aiohttp refuses in a header it sends (a replay would fail as it is written, after the handler ended).
 _FORBIDDEN = re.compile(r"[\r\n\x00]")
+
+
+def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """A cluster's url split into the url of its first node and the (host, port) of the others it names
+    (``redis://:pw@h1:6379,h2:6379/0``): any one of them answering is enough to learn the cluster from. The
+    others connect with the url's credentials and TLS too (redis-py gives each startup node the client's)."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    first, *others = hosts.split(",")
+    nodes = [urlsplit(f"//{host}") for host in others]
+    return (parts._replace(netloc=f"{userinfo}{at}{first}").geturl(),
+            [(node.hostname or "localhost", node.port or DEFAULT_PORT) for node in nodes])
+
+
+def at_node(url: str, host: str, port: int) -> str:
+    """``url`` (its credentials, TLS and options) at one node of the cluster instead of the hosts it names."""
+    parts = urlsplit(url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    name = f"[{host}]" if ":" in host else host
+    return parts._replace(netloc=f"{userinfo}{at}{name}:{port}").geturl()
 
 
 # The record header's JSON, by an encoder built once (json.dumps builds one per call).
@@ -321,9 +344,10 @@ class RedisFrontedStore(Store):
         self.config = config
         self.channel = f"{config.key_prefix}changed"
         if config.cluster:
+            first, others = cluster_nodes(config.url.reveal())
             self.redis: Any = RedisCluster.from_url(
-                config.url.reveal(), socket_timeout=SOCKET_TIMEOUT,
-                socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
+                first, startup_nodes=[ClusterNode(host, port) for host, port in others],
+                socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, decode_responses=False,
             )
         else:
             # A pool that waits (briefly) for a free connection: redis-py's default one fails at once past 100,
@@ -431,7 +455,9 @@ class RedisFrontedStore(Store):
         await self.redis.initialize()
         nodes = sorted(self.redis.get_nodes(), key=lambda node: node.name)
         node = nodes[attempt % len(nodes)]
-        client = aioredis.Redis(host=node.host, port=node.port, **options)
+        # The url's credentials and TLS, at that node (a client built from host and port alone was refused by a
+        # cluster requiring a password: its subscriber never subscribed, so no completion was ever heard)
+        client = aioredis.Redis.from_url(at_node(self.config.url.reveal(), node.host, node.port), **options)
         return client, client.pubsub(ignore_subscribe_messages=True)
 
     async def _subscribe(self) -> None:
