@@ -11,9 +11,9 @@ answering. Afterwards every key is read once more, and the upstream's own log of
 what the clients were told. Every violation is collected and printed before the test fails.
 
 test_storm_on_a_redis_cluster runs the same storm with `storage.redis.cluster: true` on a real Redis Cluster (three
-masters, a replica each). Its Redis faults are the cluster's own: a master killed and started again empty (back
-before or after its replica was promoted), a master stopped past the failover timeout (it wakes up demoted, its
-unreplicated writes lost), and every node stopped at once.
+masters, a replica each, a password; the url names every node). Its Redis faults are the cluster's own: a master
+killed and started again empty (back before or after its replica was promoted), a master stopped past the failover
+timeout (it wakes up demoted, its unreplicated writes lost), and every node stopped at once.
 
   IDEMPROXY_STORM_SEED=1234      replay a run (the seed is printed; timing still varies)
   IDEMPROXY_STORM_SECONDS=600    the long form (default: 25 s of faults)
@@ -588,7 +588,7 @@ async def test_storm(
 
 @pytest.fixture
 def storm_cluster() -> Iterator[RedisClusterServers]:
-    servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS)
+    servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS, password="storm-pw")
     try:
         servers.start()
         yield servers
@@ -601,16 +601,18 @@ async def test_storm_on_a_redis_cluster(
     own_pg: PostgresServer, own_pg_dsn: str, storm_cluster: RedisClusterServers,
     proxy_process: Callable[..., ProxyProcess],
 ) -> None:
+    # Every node in the url (a proxy started again finds one that answers) and a password, as in production.
+    seeds = (f"redis://:{storm_cluster.password}@"
+             + ",".join(f"127.0.0.1:{port}" for port in storm_cluster.ports) + "/0")
     with Relay("127.0.0.1", own_pg.port, name="pg") as pg_relay:
         await storm_and_verdict(
-            lambda upstream_url: proxy_config(upstream_url, via(own_pg_dsn, pg_relay), storm_cluster.url,
-                                              cluster=True),
+            lambda upstream_url: proxy_config(upstream_url, via(own_pg_dsn, pg_relay), seeds, cluster=True),
             proxy_process,
             lambda seed, upstream, proxies: Storm(seed, upstream, proxies, own_pg, pg_relay, cluster=storm_cluster),
         )
     copies = 0
     for port in await asyncio.to_thread(storm_cluster.masters):
-        with sync_redis.Redis(port=port) as node:
+        with sync_redis.Redis(port=port, password=storm_cluster.password) as node:
             copies += int(node.dbsize())
     assert copies, "no key in the cluster: the storm never took the Redis fast path"
 
