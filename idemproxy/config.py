@@ -21,9 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
-from urllib.parse import parse_qs, unquote_plus, urlsplit, urlunsplit
+from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 import yaml
+from redis.asyncio.connection import parse_url as redis_url_settings
 from yarl import URL
 
 T = TypeVar("T")
@@ -751,6 +752,7 @@ def _admin_token(value: Any) -> Secret:
 
 
 STORE_KEY_BYTES = 32  # AES-256
+REDIS_PORT = 6379  # a Redis node named without a port (redis-py's default too)
 
 
 def _store_key(value: Any) -> Secret:
@@ -1196,29 +1198,46 @@ def _cross_checks(loader: _Loader, config: Config) -> None:
         loader.error("tracing.endpoint", f"is only used with exporter: otlp (not {config.tracing.exporter})")
 
 
+def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """A Redis Cluster's url split into the url of its first node and the (host, port) of the others it names
+    (``redis://:pw@h1:6379,h2:6379/0``): any one of them answering is enough to learn the cluster from."""
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    first, *others = hosts.split(",")
+    nodes = [urlsplit(f"//{host}") for host in others]
+    return (parts._replace(netloc=f"{userinfo}{at}{first}").geturl(),
+            [(node.hostname or "localhost", node.port or REDIS_PORT) for node in nodes])
+
+
 def _redis_url_fits(loader: _Loader, redis: RedisConfig) -> None:
-    """What ``storage.redis.url`` may say depends on ``cluster``: several hosts (``h1:6379,h2:6379``) are the nodes
-    a cluster client may learn the cluster from, a single Redis has one; a cluster has database 0 only and is not
-    reached through a unix socket. Each passed check-config and then failed ``serve``."""
-    parts = urlsplit(redis.url.reveal())
+    """``storage.redis.url`` as redis-py reads it, and as ``cluster`` allows: several hosts (``h1:6379,h2:6379``)
+    are the nodes a cluster client may learn the cluster from, a single Redis has one; a cluster has database 0
+    only and is not reached through a unix socket; an option redis-py cannot read (``?db=x``) fails its every
+    command. Each passed check-config, then failed ``serve`` or left the proxy on PostgreSQL alone."""
+    path = "storage.redis.url"
+    if loader.failed(path):
+        return
+    url = redis.url.reveal()
+    parts = urlsplit(url)
     hosts = parts.netloc.rpartition("@")[2].split(",")
     shown = repr(redis.url.masked())
-    path = "storage.redis.url"
-    database = parse_qs(parts.query).get("db", [""])[-1] or (parts.path.strip("/") if parts.scheme != "unix" else "")
-    if database and not database.isdigit():
-        loader.error(path, f"{shown}: the database {database!r} is not a number")
-    elif not redis.cluster:
-        if len(hosts) > 1:
-            loader.error(path, f"{shown} names {len(hosts)} hosts: only a Redis Cluster's url may "
-                         "(storage.redis.cluster: true), each a node to learn the cluster from")
-    elif parts.scheme == "unix":
+    if len(hosts) > 1 and not redis.cluster:
+        loader.error(path, f"{shown} names {len(hosts)} hosts: only a Redis Cluster's url may "
+                     "(storage.redis.cluster: true), each a node to learn the cluster from")
+    elif redis.cluster and parts.scheme == "unix":
         loader.error(path, f"{shown}: a Redis Cluster is not reached through a unix socket "
                      "(storage.redis.cluster: true): name its nodes' hosts and ports")
-    elif not all(hosts):
+    elif len(hosts) > 1 and not all(hosts):
         loader.error(path, f"{shown} has an empty host in its list of nodes")
-    elif database and int(database) != 0:
-        loader.error(path, f"{shown}: a Redis Cluster has database 0 only (storage.redis.cluster: true), "
-                     f"not {database}")
+    else:
+        try:
+            database = redis_url_settings(cluster_nodes(url)[0]).get("db", 0)
+        except ValueError as exc:  # (redis-py's words name the option, never a value)
+            loader.error(path, f"{shown}: {exc}")
+            return
+        if redis.cluster and database != 0:
+            loader.error(path, f"{shown}: a Redis Cluster has database 0 only (storage.redis.cluster: true), "
+                         f"not {database}")
 
 
 def _own_ports(loader: _Loader, listen: ListenConfig, admin: AdminConfig) -> None:

@@ -247,7 +247,7 @@ def test_storage_at_scale_keys_and_their_defaults() -> None:
     plain = yaml.safe_load(dump_yaml(config))
     assert plain["storage"]["postgres"]["partitions"] == "none" and plain["storage"]["redis"]["cluster"] is True
     # a cluster's url may name several nodes, any of which answering is enough to learn the cluster from
-    nodes = "rediss://:pw@c1:6379,[2001:db8::1]:6380,c3/0"
+    nodes = "rediss://:pw@[2001:db8::1]:6380,c2:6379,c3/0"
     config = load_config({"upstream": UP, "storage": {"postgres": {}, "redis": {"url": nodes, "cluster": True}}},
                          env={})
     assert config.storage.redis is not None and config.storage.redis.url.reveal() == nodes
@@ -451,8 +451,11 @@ async def test_a_token_in_an_upstream_or_collector_url_is_masked_in_check_config
                                       "redis": {"url": "redis://c1:6379,,c2:6379/0", "cluster": True}}},
          "storage.redis.url: 'redis://c1:6379,,c2:6379/0' has an empty host in its list of nodes"),
         ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
-                                      "redis": {"url": "redis://:pw-SECRET@cache/zero"}}},
-         "storage.redis.url: 'redis://:***@cache/zero': the database 'zero' is not a number"),
+                                      "redis": {"url": "redis://:pw-SECRET@cache/0?db=zero"}}},
+         "storage.redis.url: 'redis://:***@cache/0?db=zero': Invalid value for 'db' in connection URL"),
+        ({"upstream": UP, "storage": {"postgres": {"dsn": "postgresql://h/d"},
+                                      "redis": {"url": "redis://cache/0?socket_timeout=soon"}}},
+         "storage.redis.url: 'redis://cache/0?socket_timeout=soon': Invalid value for 'socket_timeout'"),
     ],
 )
 def test_a_bad_url_is_one_error_naming_the_key_and_no_secret(raw: dict[str, Any], expected: str) -> None:

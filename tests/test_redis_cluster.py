@@ -14,9 +14,9 @@ import pytest
 import redis as sync_redis
 import uvloop
 
-from idemproxy.config import load_config
+from idemproxy.config import cluster_nodes, load_config
 from idemproxy.store import StoredResponse, build_store
-from idemproxy.store.redis import RedisFrontedStore, at_node, cluster_nodes
+from idemproxy.store.redis import RedisFrontedStore, at_node
 from tests.conftest import ProxyFactory
 from tests.servers import RedisClusterServers
 from tests.upstream import RecordingUpstream
@@ -245,8 +245,10 @@ async def test_a_cluster_that_requires_a_password_carries_completions(
 ) -> None:
     """The subscriber's client to one node was built from the node's host and port alone, without the url's
     password: a cluster requiring AUTH refused it, so no completion was ever heard (a waiter woke only at its own
-    next look, and no replay was answered from memory, which needs live notifications)."""
-    first, second = [await open_store(guarded_cluster, clean_pg) for _ in range(2)]
+    next look, and no replay was answered from memory, which needs live notifications). Built from the url, it
+    must leave out the cluster client's own options, which a plain client refuses as unknown arguments."""
+    url = f"{guarded_cluster.url}?reinitialize_steps=5"  # an option of the cluster client's own, as well
+    first, second = [await open_store(guarded_cluster, clean_pg, url) for _ in range(2)]
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5
@@ -288,10 +290,12 @@ async def test_the_store_learns_the_cluster_from_any_node_its_url_names(
 
 
 def test_a_url_naming_several_nodes_gives_each_its_credentials_and_tls() -> None:
-    url = "rediss://app:p%40ss@c1:7000,[2001:db8::1]:7001,c3/0?ssl_cert_reqs=none"
-    assert cluster_nodes(url) == ("rediss://app:p%40ss@c1:7000/0?ssl_cert_reqs=none",
-                                  [("2001:db8::1", 7001), ("c3", 6379)])
+    # (an IPv6 host first: Pythons patched for CVE-2024-11168, Debian's 3.11.2, refuse brackets after a name)
+    url = "rediss://app:p%40ss@[2001:db8::1]:7000,c2:7001,c3/0?ssl_cert_reqs=none&read_from_replicas=yes"
+    assert cluster_nodes(url) == ("rediss://app:p%40ss@[2001:db8::1]:7000/0?ssl_cert_reqs=none&read_from_replicas=yes",
+                                  [("c2", 7001), ("c3", 6379)])
     assert cluster_nodes("redis://c1:7000/0") == ("redis://c1:7000/0", [])
-    # the subscriber's client to one node: the url's credentials, TLS and options, that node's address
+    # the subscriber's client to one node: the url's credentials, TLS and connection options at that node's
+    # address, without the cluster client's own options, which a plain client refuses
     assert at_node(url, "2001:db8::2", 7005) == "rediss://app:p%40ss@[2001:db8::2]:7005/0?ssl_cert_reqs=none"
     assert at_node("redis://c1:7000", "10.0.0.1", 7005) == "redis://10.0.0.1:7005"

@@ -22,11 +22,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from idemproxy.store.resp import RespClient, pack, supports
 from tests.relay import Relay
+from tests.servers import RedisServer
 from tests.test_redis import redis_relay  # noqa: F401  (a fixture)
 from tests.test_relay import wait_for
 
 # Holds Redis itself busy for ARGV[1] ms (a script runs alone): a real slow answer, without DEBUG SLEEP (which
-# Redis 7 refuses by default).
+# Redis 7 refuses by default). It holds the whole server, so tests using it run on this worker's own Redis
+# (running_redis): on a Redis shared by the workers (IDEMPROXY_TEST_REDIS_URL), the other worker's commands and
+# connections waited behind it ("redis did not accept a connection within 0.5 s").
 BUSY = """
 local t = redis.call('TIME'); local stop = t[1] * 1000000 + t[2] + ARGV[1] * 1000
 repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] >= stop
@@ -111,14 +114,14 @@ async def _crowd(url: str, prefix: str) -> tuple[int, int]:
         client.close()
 
 
-async def test_every_reply_reaches_its_own_caller(redis_url: str, redis_prefix: str) -> None:
-    checked, connects = await _crowd(redis_url, redis_prefix)
+async def test_every_reply_reaches_its_own_caller(running_redis: RedisServer, redis_prefix: str) -> None:
+    checked, connects = await _crowd(running_redis.url, redis_prefix)
     assert checked > 200 and connects == 1
 
 
-async def test_every_reply_reaches_its_own_caller_on_uvloop(redis_url: str, redis_prefix: str) -> None:
+async def test_every_reply_reaches_its_own_caller_on_uvloop(running_redis: RedisServer, redis_prefix: str) -> None:
     # The product runs on uvloop, whose transports are not asyncio's classes.
-    checked, connects = await asyncio.to_thread(uvloop.run, _crowd(redis_url, redis_prefix))
+    checked, connects = await asyncio.to_thread(uvloop.run, _crowd(running_redis.url, redis_prefix))
     assert checked > 200 and connects == 1
 
 
@@ -167,13 +170,11 @@ async def test_a_stalled_redis_times_out_and_the_next_batch_reconnects(
 
 
 @LOOPS
-async def test_a_slow_answer_is_not_a_timeout_while_replies_keep_coming(
-    redis_url: str, redis_prefix: str, loop: str,
-) -> None:
+async def test_a_slow_answer_is_not_a_timeout_while_replies_keep_coming(running_redis: RedisServer, loop: str) -> None:
     """The deadline counts from the last byte heard: two 0.35 s answers in a row, on a 0.5 s timeout, both land
     (the second is still owed when the first batch's deadline passes)."""
     async def work() -> None:
-        client = RespClient(redis_url, timeout=0.5)
+        client = RespClient(running_redis.url, timeout=0.5)
         try:
             first = asyncio.ensure_future(client.execute([(b"EVAL", BUSY, 0, 350, "a")]))
             await asyncio.sleep(0.05)

@@ -23,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import re
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -38,7 +39,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
-from idemproxy.config import RedisConfig
+from idemproxy.config import RedisConfig, cluster_nodes
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreUnavailable
 from idemproxy.store.base import (
@@ -150,7 +151,6 @@ redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
 """
-DEFAULT_PORT = 6379  # a node named without a port (redis-py's default too)
 UNKNOWN_EPOCH = "?"  # never equals a stored epoch: a writer that never read one may not fill the cache
 
 # RedisClusterException (no node reachable to learn the slot map from) is no RedisError.
@@ -173,24 +173,23 @@ _NUMBER = (int, float)
 _FORBIDDEN = re.compile(r"[\r\n\x00]")
 
 
-def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
-    """A cluster's url split into the url of its first node and the (host, port) of the others it names
-    (``redis://:pw@h1:6379,h2:6379/0``): any one of them answering is enough to learn the cluster from. The
-    others connect with the url's credentials and TLS too (redis-py gives each startup node the client's)."""
-    parts = urlsplit(url)
-    userinfo, at, hosts = parts.netloc.rpartition("@")
-    first, *others = hosts.split(",")
-    nodes = [urlsplit(f"//{host}") for host in others]
-    return (parts._replace(netloc=f"{userinfo}{at}{first}").geturl(),
-            [(node.hostname or "localhost", node.port or DEFAULT_PORT) for node in nodes])
+# The cluster client's own options (read_from_replicas, require_full_coverage, ...): a plain client to one node,
+# the subscriber's, refuses them ("unexpected keyword argument"), so they are left out of the url it is built from.
+_CLUSTER_OPTIONS = frozenset(inspect.signature(RedisCluster.__init__).parameters).difference(
+    *(inspect.signature(init).parameters for init in (
+        aioredis.connection.AbstractConnection.__init__, aioredis.Connection.__init__,
+        aioredis.SSLConnection.__init__, aioredis.ConnectionPool.__init__)))
 
 
 def at_node(url: str, host: str, port: int) -> str:
-    """``url`` (its credentials, TLS and options) at one node of the cluster instead of the hosts it names."""
+    """``url`` (its credentials, TLS and connection options) at one node of the cluster instead of the hosts it
+    names, without the cluster client's own options."""
     parts = urlsplit(url)
     userinfo, at, _ = parts.netloc.rpartition("@")
     name = f"[{host}]" if ":" in host else host
-    return parts._replace(netloc=f"{userinfo}{at}{name}:{port}").geturl()
+    query = urlencode([(option, value) for option, value in parse_qsl(parts.query, keep_blank_values=True)
+                       if option not in _CLUSTER_OPTIONS])
+    return parts._replace(netloc=f"{userinfo}{at}{name}:{port}", query=query).geturl()
 
 
 # The record header's JSON, by an encoder built once (json.dumps builds one per call).
