@@ -24,7 +24,6 @@ from typing import Any, Literal, TypeVar, cast
 from urllib.parse import unquote_plus, urlsplit, urlunsplit
 
 import yaml
-from redis.asyncio.connection import parse_url as redis_url_settings
 from yarl import URL
 
 T = TypeVar("T")
@@ -1230,8 +1229,12 @@ def _redis_url_fits(loader: _Loader, redis: RedisConfig) -> None:
     elif len(hosts) > 1 and not all(hosts):
         loader.error(path, f"{shown} has an empty host in its list of nodes")
     else:
+        # (imported here, as the store imports redis-py: a config without Redis loads none of it, nor what it
+        # loads, such as OpenTelemetry when installed, which a proxy with tracing off must not load)
+        from redis.asyncio.connection import parse_url
+
         try:
-            database = redis_url_settings(cluster_nodes(url)[0]).get("db", 0)
+            database = parse_url(cluster_nodes(url)[0]).get("db", 0)
         except ValueError as exc:  # (redis-py's words name the option, never a value)
             loader.error(path, f"{shown}: {exc}")
             return
