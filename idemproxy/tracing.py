@@ -2,7 +2,7 @@
 
 The engine calls one small interface: ``server_span`` (continued from the client's W3C ``traceparent``),
 ``span`` for a step (claim, forward, settle), and ``inject`` to pass the current span on to the upstream.
-Off, every call returns the same do-nothing object and OpenTelemetry is never imported: tracing costs a
+Off, every call returns the same do-nothing object and idemproxy never imports OpenTelemetry: tracing costs a
 method call and nothing else. On, the SDK is imported once, at start, with a provider of this proxy's own
 (never the process-wide global, so nothing else in the process is traced by accident).
 
