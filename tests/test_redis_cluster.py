@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import signal
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -16,7 +17,7 @@ import uvloop
 
 from idemproxy.config import cluster_nodes, load_config
 from idemproxy.store import StoredResponse, build_store
-from idemproxy.store.redis import RedisFrontedStore, at_node
+from idemproxy.store.redis import CLUSTER_STEP_TIMEOUT, RedisFrontedStore, at_node
 from tests.conftest import ProxyFactory
 from tests.servers import RedisClusterServers
 from tests.upstream import RecordingUpstream
@@ -299,3 +300,33 @@ def test_a_url_naming_several_nodes_gives_each_its_credentials_and_tls() -> None
     # address, without the cluster client's own options, which a plain client refuses
     assert at_node(url, "2001:db8::2", 7005) == "rediss://app:p%40ss@[2001:db8::2]:7005/0?ssl_cert_reqs=none"
     assert at_node("redis://c1:7000", "10.0.0.1", 7005) == "redis://10.0.0.1:7005"
+
+
+async def test_a_stopped_cluster_costs_each_claim_one_bounded_step(
+    cluster: RedisClusterServers, clean_pg: str
+) -> None:
+    """redis-py's cluster client retries a timed-out command after re-reading the slot map, and the re-reads of
+    concurrent commands queue behind one another: with every node stopped (SIGSTOP), 12 concurrent claims took
+    3 to 31 s, one every 2.5 s, where a Redis that does not answer is meant to cost one SOCKET_TIMEOUT-sized step
+    before PostgreSQL decides. (Time counted against the lease, too: a forward then left with too little of it
+    was cut short, its outcome unknown, and executed again once the lease ran out.)"""
+    store = await open_store(cluster, clean_pg)
+    stopped = list(cluster.procs)
+    try:
+        for i in range(6):  # the slot map known, a connection to every master
+            await store.claim("t", f"warm{i}", FP, lease=30, ttl=60)
+        for port in stopped:
+            cluster.signal(port, signal.SIGSTOP)
+        loop = asyncio.get_running_loop()
+
+        async def claim(i: int) -> float:
+            started = loop.time()
+            assert (await store.claim("t", f"stopped{i}", FP, lease=30, ttl=60)).owned  # PostgreSQL decided
+            return loop.time() - started
+
+        took = await asyncio.gather(*(claim(i) for i in range(12)))
+        assert max(took) < 3 * CLUSTER_STEP_TIMEOUT, sorted(took)  # (one step each; slack for a loaded box)
+    finally:
+        for port in stopped:
+            cluster.signal(port, signal.SIGCONT)
+        await store.close()

@@ -60,6 +60,11 @@ from idemproxy.store.resp import RespClient, supports
 log = logging.getLogger("idemproxy.store.redis")
 
 SOCKET_TIMEOUT = 0.5  # seconds: Redis is the fast path; slower than this, PostgreSQL answers instead
+# A script call on a cluster, all of it: redis-py's cluster client retries a timed-out command after re-reading
+# the slot map, and its re-reads queue behind one another. With the nodes of a slot stopped, a claim took 2.6 s
+# (one master) and 12 concurrent claims 3 to 31 s, 2.5 s apart (every node), where the fast path is meant to give
+# way to PostgreSQL after SOCKET_TIMEOUT. Room for a redirect and its refresh on live nodes.
+CLUSTER_STEP_TIMEOUT = 2 * SOCKET_TIMEOUT
 DURABLE_PROBE_TIMEOUT = 1.5  # a health check's wait for PostgreSQL: inside the app's bound for the whole check
 POOL_SIZE = 256  # connections to Redis; past it a request waits up to SOCKET_TIMEOUT for one
 # The Redis lock only keeps duplicates away from PostgreSQL; it lives at most this long, so a lock whose removal
@@ -517,9 +522,10 @@ class RedisFrontedStore(Store):
         return [f"{prefix}{{{tag}}}:lock", f"{prefix}{{{tag}}}:resp", f"{prefix}{{{tag}}}:epoch"]
 
     async def _script(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        """Run a registered script: in the next pipeline, or alone on a cluster."""
+        """Run a registered script: in the next pipeline, or alone on a cluster (bounded as a whole there)."""
         if self._pipelines is None:
-            return await script(keys=keys, args=args)
+            async with asyncio.timeout(CLUSTER_STEP_TIMEOUT):  # TimeoutError: Redis failing, as any timeout
+                return await script(keys=keys, args=args)
         return await self._pipelines.call((script, keys, args))
 
     async def _pipeline(self, calls: list[_ScriptCall], *, breaker: bool = True) -> list[Any]:
