@@ -313,7 +313,7 @@ async def test_a_stopped_cluster_costs_each_claim_one_bounded_step(
     store = await open_store(cluster, clean_pg)
     stopped = list(cluster.procs)
     try:
-        for i in range(6):  # the slot map known, a connection to every master
+        for i in range(6):  # the slot map known, connections open
             await store.claim("t", f"warm{i}", FP, lease=30, ttl=60)
         for port in stopped:
             cluster.signal(port, signal.SIGSTOP)
