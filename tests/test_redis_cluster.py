@@ -241,6 +241,32 @@ def test_a_write_on_a_connection_closed_under_the_client_is_redis_failing(
     uvloop.run(scenario())
 
 
+def test_a_release_sends_its_purge_again_after_a_connection_closed_under_the_client(
+    cluster: RedisClusterServers, pg_dsn: str
+) -> None:
+    """An admin release purges Redis, and sends the purge once more when its connection was found dead (the
+    script is idempotent). On a cluster a connection closed under the client by a topology refresh fails as
+    RuntimeError (uvloop) rather than ConnectionError: the release answered 503 where the second send would have
+    done it."""
+    key = f"purge-{random.getrandbits(32):08x}"
+
+    async def scenario() -> None:
+        store = await open_store(cluster, pg_dsn)
+        try:
+            claim = await store.claim("t", key, FP, lease=30, ttl=60)
+            assert await store.complete(claim, OK, ttl=60)
+            copy = store._keys("t", key)[1]
+            assert await store.redis.exists(copy) == 1
+            node = store.redis.get_node_from_key(copy)
+            node._free[0]._writer.transport.abort()  # the connection the purge takes first
+            await store.clear_copies("t", key)
+            assert await store.redis.exists(copy) == 0
+        finally:
+            await store.close()
+
+    uvloop.run(scenario())
+
+
 async def test_a_cluster_that_requires_a_password_carries_completions(
     guarded_cluster: RedisClusterServers, clean_pg: str
 ) -> None:

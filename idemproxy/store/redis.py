@@ -170,6 +170,10 @@ _FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
 # handshake of a connection a topology refresh was disconnecting). On a cluster these count as Redis failing
 # too: the durable store answers instead of the request getting a 500.
 _CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError, RuntimeError)
+# A connection found dead as a command was sent on it: worth sending the command once more on a fresh one (an
+# admin release's purge). On a cluster, the teardown errors above are that too.
+_DEAD_CONNECTION = (RedisConnectionError,)
+_CLUSTER_DEAD_CONNECTION = (RedisConnectionError, AttributeError, TypeError, RuntimeError)
 # A replay-cache copy that does not decode (another version's format, a key-prefix collision, bytes changed in
 # Redis): Redis answered, so it is no Redis failure (no breaker); the copy is dropped and the durable store answers.
 _GARBLED = (ValueError, KeyError, IndexError, TypeError, RecursionError)
@@ -364,6 +368,7 @@ class RedisFrontedStore(Store):
         # Registered once; each call is one EVALSHA (EVAL only after a Redis restart lost the script).
         self._errors = _CLUSTER_ERRORS if config.cluster else _ERRORS
         self._fast_errors = _CLUSTER_ERRORS if config.cluster else _FAST_ERRORS
+        self._dead_connection = _CLUSTER_DEAD_CONNECTION if config.cluster else _DEAD_CONNECTION
         self._claim_script = self.redis.register_script(_CLAIM)
         self._settle_script = self.redis.register_script(_SETTLE)
         self._forget_script = self.redis.register_script(_FORGET)
@@ -818,10 +823,11 @@ class RedisFrontedStore(Store):
         try:
             try:
                 await self._purge_once(call)
-            except RedisConnectionError:
-                # A connection that died while idle (Redis restarted, a cut that has healed) fails its first
-                # command; redis-py's pipeline does not retry it. The script is idempotent: send it once more,
-                # on a fresh connection. A Redis that is really gone fails this one too.
+            except self._dead_connection:
+                # A connection that died while idle (Redis restarted, a cut that has healed; on a cluster, one a
+                # topology refresh closed under us) fails its first command; redis-py's pipeline does not retry
+                # it. The script is idempotent: send it once more, on a fresh connection. A Redis that is really
+                # gone fails this one too.
                 await self._purge_once(call)
         except self._errors as exc:
             if self.metrics is not None:
