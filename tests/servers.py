@@ -347,3 +347,16 @@ class RedisClusterServers:
         for port in list(self.procs):
             self.kill(port)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisClusterServers:
+        """``with RedisClusterServers(...) as cluster``: started, and destroyed on the way out (also when the start
+        failed half-way)."""
+        try:
+            self.start()
+        except BaseException:
+            self.destroy()
+            raise
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.destroy()

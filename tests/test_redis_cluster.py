@@ -48,23 +48,15 @@ async def orphaned_sockets_closed_in_this_loop() -> AsyncIterator[None]:
 
 @pytest.fixture
 def cluster() -> Iterator[RedisClusterServers]:
-    servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000)
-    try:
-        servers.start()
+    with RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000) as servers:
         yield servers
-    finally:
-        servers.destroy()
 
 
 @pytest.fixture
 def guarded_cluster() -> Iterator[RedisClusterServers]:
     """A cluster whose every node requires a password (AUTH), as production ones do."""
-    servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000, password="pw-of-the-cluster")
-    try:
-        servers.start()
+    with RedisClusterServers(masters=3, replicas=1, node_timeout_ms=1000, password="pw-of-the-cluster") as servers:
         yield servers
-    finally:
-        servers.destroy()
 
 
 def section(cluster: RedisClusterServers, pg_dsn: str, url: str = "") -> dict[str, Any]:
@@ -82,13 +74,7 @@ async def open_store(cluster: RedisClusterServers, pg_dsn: str, url: str = "") -
 
 @pytest.fixture
 async def stores(cluster: RedisClusterServers, clean_pg: str) -> AsyncIterator[list[RedisFrontedStore]]:
-    opened = []
-    for _ in range(2):
-        config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": section(cluster, clean_pg)})
-        store = build_store(config.storage)
-        assert isinstance(store, RedisFrontedStore)
-        await store.open()
-        opened.append(store)
+    opened = [await open_store(cluster, clean_pg) for _ in range(2)]
     yield opened
     for store in opened:
         await store.close()
@@ -188,9 +174,7 @@ async def test_closing_after_a_node_was_lost_closes_every_connection(
     connection error until its next command: a store closed after a master was lost, before the client had
     refreshed, left its connections to every other node open (the sockets outlived the store, and the process
     held them until it exited)."""
-    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": section(cluster, clean_pg)})
-    store = build_store(config.storage)
-    await store.open()
+    store = await open_store(cluster, clean_pg)
     try:
         for i in range(12):  # keys on every master: a connection to each
             await store.claim("t", f"c{i}", FP, lease=30, ttl=60)
@@ -219,10 +203,7 @@ def test_a_write_on_a_connection_closed_under_the_client_is_redis_failing(
     prefix = f"closed-{random.getrandbits(32):08x}"
 
     async def scenario() -> None:
-        config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": section(cluster, pg_dsn)})
-        store = build_store(config.storage)
-        assert isinstance(store, RedisFrontedStore)
-        await store.open()
+        store = await open_store(cluster, pg_dsn)
         try:
             for i in range(12):  # keys on every master: an idle connection to each
                 await store.claim("t", f"{prefix}-{i}", FP, lease=30, ttl=60)

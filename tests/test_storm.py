@@ -588,12 +588,8 @@ async def test_storm(
 
 @pytest.fixture
 def storm_cluster() -> Iterator[RedisClusterServers]:
-    servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS, password="storm-pw")
-    try:
-        servers.start()
+    with RedisClusterServers(masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS, password="storm-pw") as servers:
         yield servers
-    finally:
-        servers.destroy()
 
 
 @pytest.mark.timeout(STORM_SECONDS + 2 * SETTLE_GRACE + 120)

@@ -169,11 +169,12 @@ _FAST_ERRORS = (*_ERRORS, ValueError, KeyError, IndexError, TypeError)
 # <TCPTransport closed=True ...>; the handler is closed": found by the cluster fault storm, a claim in the
 # handshake of a connection a topology refresh was disconnecting). On a cluster these count as Redis failing
 # too: the durable store answers instead of the request getting a 500.
-_CLUSTER_ERRORS = (*_FAST_ERRORS, AttributeError, RuntimeError)
+_CLUSTER_TEARDOWN = (AttributeError, TypeError, RuntimeError)
+_CLUSTER_ERRORS = (*_FAST_ERRORS, *_CLUSTER_TEARDOWN)
 # A connection found dead as a command was sent on it: worth sending the command once more on a fresh one (an
 # admin release's purge). On a cluster, the teardown errors above are that too.
 _DEAD_CONNECTION = (RedisConnectionError,)
-_CLUSTER_DEAD_CONNECTION = (RedisConnectionError, AttributeError, TypeError, RuntimeError)
+_CLUSTER_DEAD_CONNECTION = (*_DEAD_CONNECTION, *_CLUSTER_TEARDOWN)
 # A replay-cache copy that does not decode (another version's format, a key-prefix collision, bytes changed in
 # Redis): Redis answered, so it is no Redis failure (no breaker); the copy is dropped and the durable store answers.
 _GARBLED = (ValueError, KeyError, IndexError, TypeError, RecursionError)
