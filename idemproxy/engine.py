@@ -446,19 +446,20 @@ class Engine:
     async def _claim_once(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
         cached = self.replays.get(tenant, key)
         if cached is not None:  # a completed record this process read lately: no network at all
-            return Claim(record=cached, owned=False, now=time.time())
+            return Claim(record=cached, owned=False, now=time.time(), sent=time.monotonic())
         if self.settler.named:  # an answer this replica executed for the key and still holds: store it first
             await self.settler.hurry((tenant, key), HURRY_WAIT)
         token = new_token()
-        # The lease is counted from before the claim was sent: the store's clock starts it when the statement
-        # starts, and time the statement spent blocked (a row lock, a commit wait) is already gone from it.
+        # The lease is counted from the instant the store gives (Claim.sent): just before its deciding statement
+        # was written, so before the store's clock started the lease; time the statement then spent blocked (a
+        # row lock, a commit wait) is already gone from it.
         seen = self.replays.begin()
-        sent = time.monotonic()
+        sent = time.monotonic()  # (earlier still: a claim that may have landed unanswered is released by then)
         try:
             claim = await self.store.claim(tenant, key, fp, lease=idem.lease, ttl=idem.ttl, token=token)
             if not claim.owned:
                 self.replays.put(claim, seen)
-            return claim.received_at(sent)
+            return claim
         except StoreUnavailable as exc:
             if exc.maybe_applied:
                 self._release_ghost(tenant, key, fp, token, idem, sent)
@@ -478,7 +479,7 @@ class Engine:
             tenant=tenant, key=key, fingerprint=fp, state=State.IN_FLIGHT, lease_token=token,
             lease_expires_at=now + idem.lease, response=None, created_at=now, completed_at=None,
             expires_at=now + idem.ttl,
-        ), owned=True, now=now)
+        ), owned=True, now=now, sent=sent)
         self.settler.release_later(lambda: self.store.release(ghost), until=sent + idem.lease)
 
     async def _decide(

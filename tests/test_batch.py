@@ -133,7 +133,7 @@ async def test_completions_in_one_batch_are_each_fenced(pg_store: PostgresStore)
     taken = await pg_store.claim("t", "k0", FP, lease=30, ttl=60)
     assert not taken.owned and taken.record.lease_token == stale
     forged = type(claims[1])(record=type(claims[1].record)(**{**claims[1].record.__dict__, "lease_token": "x"}),
-                             owned=True, now=claims[1].now)
+                             owned=True, now=claims[1].now, sent=claims[1].sent)
     done = await asyncio.gather(*(pg_store.complete(c, OK, ttl=60) for c in [forged, *claims[2:]]))
     assert done == [False] + [True] * 8  # the forged token is refused, alone
     assert (await pg_store.get("t", "k1")).state == "in_flight"  # type: ignore[union-attr]
@@ -372,6 +372,77 @@ async def test_a_cancelled_claim_that_was_not_sent_yet_is_never_sent(pg_store: P
     assert (await pg_store.claim("t", "queued", FP, lease=60, ttl=60)).owned
 
 
+@pytest.mark.parametrize("batching", [True, False], ids=["behind-batches", "behind-the-pool"])
+async def test_a_claim_counts_its_lease_from_when_its_statement_left_not_from_its_call(
+    clean_pg: str, batching: bool
+) -> None:
+    """A claim may wait before its statement is even written: queued behind the batches on the wire (group
+    commit), or for a pooled connection. PostgreSQL starts its lease only once the statement arrives. Counted from
+    the claim's call (as the engine did), that wait came off the lease, and the forward's time to send with it."""
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"},
+                          "storage": {"postgres": {"dsn": clean_pg, "pool_min": 1, "pool_max": 2}}})
+    assert config.storage.postgres is not None
+    store = PostgresStore(config.storage.postgres)
+    await store.open()
+    store.batching = batching
+    busy_keys = [f"busy-{n}" for n in range(BATCHES_IN_FLIGHT if batching else config.storage.postgres.pool_max)]
+    held = await hold_key_locks(clean_pg, busy_keys)
+    try:
+        busy = []
+        for key in busy_keys:  # each on the wire (a batch, a connection), waiting on its key's lock
+            busy.append(asyncio.ensure_future(store.claim("t", key, FP, lease=60, ttl=60)))
+            while await held.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                      "AND datname = current_database()") < len(busy):
+                pass  # one round trip per look
+        called = time.monotonic()
+        queued = asyncio.ensure_future(store.claim("t", "queued", FP, lease=60, ttl=60))
+        await asyncio.sleep(0.3)  # it cannot leave before a busy one comes back: the wait it must not be charged
+        let_go = time.monotonic()
+    finally:
+        await held.close()  # the locks go with the session
+    try:
+        claim = await queued
+        answered = time.monotonic()
+        assert claim.owned and let_go < claim.sent < answered
+        assert claim.lease_end() == pytest.approx(claim.sent + 60, abs=0.001)
+        assert all(c.owned and c.sent < called for c in await asyncio.gather(*busy))
+    finally:
+        await store.close()
+
+
+async def test_a_request_whose_claim_waited_behind_batches_still_has_its_whole_time_to_forward(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
+) -> None:
+    """The engine counts the lease from when the claim's statement was written (Claim.sent), not from its call:
+    a request whose claim queued 2.5 s behind stalled batches still forwards with its whole upstream timeout (3 s)
+    rather than what was left of it (1.5 s before a takeover could come: the lease, 6 s, less its 2 s margin)."""
+    proxy = await make_proxy(storage_section={"postgres": {"dsn": clean_pg, "pool_min": 1, "pool_max": 10}},
+                             upstream={"timeout": "3s"}, idempotency={"lease": "6s"})
+    store = durable(proxy)
+    assert isinstance(store, PostgresStore) and store.batching
+    tenant = proxy.proxy.engine.resolve_tenant_value("Bearer t1")
+    held = await asyncpg.connect(clean_pg)
+    busy_keys = [f"busy-{n}" for n in range(BATCHES_IN_FLIGHT)]
+    for key in busy_keys:
+        await held.execute("SELECT pg_advisory_lock(hashtextextended($1 || chr(31) || $2, 0))", tenant, key)
+    try:
+        busy = []
+        for key in busy_keys:  # one batch each, waiting on its key's lock
+            busy.append(asyncio.ensure_future(proxy.post("/v1/charges", key=key, body=CHARGE)))
+            while await held.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                      "AND datname = current_database()") < len(busy):
+                pass  # one round trip per look
+        queued = asyncio.ensure_future(proxy.post("/v1/charges", key="queued", body=CHARGE,
+                                                  headers={"X-Test-Delay": "2"}))
+        await asyncio.sleep(2.5)  # the claim waits for a batch to come back, before PostgreSQL starts its lease
+        assert store._claims.batches == BATCHES_IN_FLIGHT
+    finally:
+        await held.close()  # the locks go with the session
+    resp, _ = await queued
+    assert resp.status == 201 and upstream.count(key="queued") == 1
+    assert [resp.status for resp, _ in await asyncio.gather(*busy)] == [201] * BATCHES_IN_FLIGHT
+
+
 async def test_a_cancelled_claim_already_on_the_wire_is_released_when_it_lands(
     pg_store: PostgresStore, clean_pg: str
 ) -> None:
@@ -453,7 +524,7 @@ async def decisions(store: PostgresStore, prefix: str, *, together: bool) -> lis
 
     owner = await claim("k", FP)
     steps = [seen(owner, owner), seen(await claim("k", FP), owner), seen(await claim("k", "e" * 64), owner)]
-    forged = Claim(record=replace(owner.record, lease_token="forged"), owned=True, now=owner.now)
+    forged = Claim(record=replace(owner.record, lease_token="forged"), owned=True, now=owner.now, sent=owner.sent)
     steps += [(await complete(forged),), (await complete(owner),), seen(await claim("k", FP), owner)]
     lapsed = await claim("lapsed", FP, lease=0)  # its lease ran out as it was granted
     graced = await claim("lapsed", FP)  # the lease's grace first (TAKEOVER_GRACE): the record stands, the owner's

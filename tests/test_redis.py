@@ -86,6 +86,23 @@ async def test_a_lock_with_another_fingerprint_never_answers_422(
     assert upstream.count(key="lk") == 1
 
 
+async def test_a_claim_counts_its_lease_from_the_postgresql_statement_not_the_redis_step_before_it(
+    make_proxy: ProxyFactory, running_redis: RedisServer, clean_pg: str
+) -> None:
+    """The Redis step comes first and may take up to its bound (0.5 s); PostgreSQL starts the lease only when the
+    claim's statement arrives after it, so the lease is counted from then (Claim.sent), not from the call."""
+    proxy = await make_proxy(storage_section=section(clean_pg, running_redis.url, "sent:"))
+    client = sync_redis.Redis.from_url(running_redis.url)
+    try:
+        called = time.monotonic()
+        client.client_pause(300, all=False)  # scripts wait 0.3 s from now (as writes do)
+        claim = await fronted(proxy).claim("t", "paused", "f" * 64, lease=60, ttl=60)
+        assert claim.owned and claim.cache_lock  # Redis granted the lock, late
+        assert claim.sent >= called + 0.3 and claim.lease_end() == pytest.approx(claim.sent + 60, abs=0.001)
+    finally:
+        client.close()
+
+
 async def test_wait_mode_when_redis_lost_the_owners_lock_does_not_spin(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, redis_url: str, redis_prefix: str
 ) -> None:

@@ -27,7 +27,7 @@ def _claim(n: int, key_length: int, body: bytes, text: str = "v") -> Claim:
         lease_token=None, lease_expires_at=None, response=StoredResponse(201, headers, body),
         created_at=now, completed_at=now, expires_at=now + 3600,
     )
-    return Claim(record=record, owned=False, now=now)
+    return Claim(record=record, owned=False, now=now, sent=time.monotonic())
 
 
 def _allocated_here() -> int:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import secrets
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import MISSING, FrozenInstanceError, InitVar, dataclass, field, fields, make_dataclass, replace
@@ -53,6 +54,16 @@ async def test_first_claim_owns_and_a_second_sees_it_in_flight(store: Store) -> 
     assert 25 < second.record.lease_expires_at - second.now <= 30
     other = await store.claim("t", "k", OTHER_FP, lease=30, ttl=60)
     assert not other.owned and other.record.fingerprint == FP
+
+
+async def test_a_claims_lease_is_counted_from_when_the_store_was_asked_never_from_its_answer(store: Store) -> None:
+    """Claim.sent, which the engine counts the lease from, falls between the call and the answer (each store gives
+    the instant its deciding statement left), and the lease ends exactly ``lease`` after it."""
+    called = time.monotonic()
+    claim = await store.claim("t", "k", FP, lease=30, ttl=60)
+    answered = time.monotonic()
+    assert claim.owned and called <= claim.sent <= answered
+    assert claim.lease_end() == pytest.approx(claim.sent + 30, abs=0.001)
 
 
 async def test_complete_then_claim_returns_the_stored_response(store: Store) -> None:
@@ -272,6 +283,30 @@ async def test_embedded_leases_ignore_wall_clock_steps(
         await backend.close()
 
 
+async def test_an_embedded_claim_that_waited_for_the_write_lock_counts_its_lease_from_after_the_wait(
+    storage: StorageFactory
+) -> None:
+    """A claim waits for the file's write lock (another process writing) before it reads the store's clock: the
+    lease starts then, and the wait is not taken from it."""
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"}, "storage": storage("embedded")})
+    assert config.storage.embedded is not None
+    backend = build_store(config.storage)
+    await backend.open()
+    other = sqlite3.connect(config.storage.embedded.path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        claiming = asyncio.ensure_future(backend.claim("t", "k", FP, lease=30, ttl=60))
+        await asyncio.sleep(0.3)
+        let_go = time.monotonic()
+        other.execute("COMMIT")
+        claim = await claiming
+        assert claim.owned and claim.sent >= let_go
+        assert claim.lease_end() == pytest.approx(claim.sent + 30, abs=0.001)
+    finally:
+        other.close()
+        await backend.close()
+
+
 async def test_embedded_group_commit_keeps_each_write_apart(storage: StorageFactory) -> None:
     """Writes queued in one loop turn share a transaction (one fsync); one that fails rolls back alone."""
     from idemproxy.problems import StoreUnavailable
@@ -319,21 +354,20 @@ def test_lease_tokens_are_distinct_128_bit_and_a_forked_child_draws_its_own() ->
 
 
 def test_a_claims_copies_carry_every_other_field() -> None:
-    """Claim.received_at and Claim.with_epoch build the copy field by field (cheaper than dataclasses.replace):
-    each must equal replace() on a claim whose every field is set, and a field added to Claim must be added to
-    them (this list fails until it is)."""
+    """Claim.with_epoch builds the copy field by field (cheaper than dataclasses.replace): it must equal replace()
+    on a claim whose every field is set, and a field added to Claim must be added to it (this list fails until it
+    is)."""
     record = Record(tenant="t", key="k", fingerprint="f", state=State.IN_FLIGHT, lease_token="tok",
                     lease_expires_at=5.0, response=StoredResponse(201, (("a", "b"),), b"x"), created_at=1.0,
                     completed_at=None, expires_at=9.0)
-    claim = Claim(record=record, owned=True, now=2.0, took_over=True, replaced_expired=True, cache_epoch="e1",
-                  cache_lock=True, received=3.0, grace=True)
-    assert [f.name for f in fields(Claim)] == ["record", "owned", "now", "took_over", "replaced_expired",
-                                               "cache_epoch", "cache_lock", "received", "grace"]
+    claim = Claim(record=record, owned=True, now=2.0, sent=3.0, took_over=True, replaced_expired=True,
+                  cache_epoch="e1", cache_lock=True, grace=True)
+    assert [f.name for f in fields(Claim)] == ["record", "owned", "now", "sent", "took_over", "replaced_expired",
+                                               "cache_epoch", "cache_lock", "grace"]
 
     def values(c: Claim) -> list[object]:
         return [getattr(c, f.name) for f in fields(Claim)]
 
-    assert values(claim.received_at(7.0)) == values(replace(claim, received=7.0))
     assert values(claim.with_epoch("e2")) == values(replace(claim, cache_epoch="e2", cache_lock=False))
     assert values(claim.with_epoch("e2", True)) == values(replace(claim, cache_epoch="e2", cache_lock=True))
 
@@ -369,14 +403,11 @@ def test_quick_init_builds_what_the_dataclass_init_builds(cls: type[Any]) -> Non
             made.owned = True
     required = [v for f, v in zip(fields(cls), values, strict=True)
                 if f.default is MISSING and f.default_factory is MISSING]
-    before = time.monotonic()
     made, expected = cls(*required), twin(*required)
     for f in fields(cls):
-        if f.default_factory is not MISSING:  # Claim.received: this process's clock when the claim was made
-            assert getattr(made, f.name) == getattr(expected, f.name) or before <= getattr(made, f.name)
+        assert getattr(made, f.name) == getattr(expected, f.name)
+        if f.default_factory is not MISSING:
             assert getattr(cls(*required), f.name) is not getattr(made, f.name)  # called again for each instance
-        else:
-            assert getattr(made, f.name) == getattr(expected, f.name)
     for f in fields(cls):  # a value given for a factory's field is kept, even one the factory would replace
         if f.default_factory is not MISSING:
             assert getattr(cls(**{**by_name, f.name: None}), f.name) is None

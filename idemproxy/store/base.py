@@ -134,13 +134,17 @@ class Claim:
     record: Record
     owned: bool
     now: float  # the store's clock when it decided (lease and expiry are judged against it)
+    # This process's monotonic clock at an instant no later than the store read its clock (``now``) for this
+    # claim: just before the statement that decided it was written (each store gives it). The lease is counted
+    # from it, so this process's idea of the lease never ends after the store's; and on the monotonic clock, never
+    # the wall clock, so a clock step cannot stretch a forward or a retry past the lease. Not from the claim's
+    # call: a Redis step, a wait in a batch queue or for a pooled connection all come before the store's clock
+    # starts the lease, and would otherwise be taken from it.
+    sent: float = field(compare=False)
     took_over: bool = False  # owned by taking over an in-flight record whose lease ran out
     replaced_expired: bool = False  # owned by replacing a record whose TTL had passed
     cache_epoch: str | None = None  # a cache in front of the durable store: what it read first (redis.py)
     cache_lock: bool = False  # that cache took a lock for this claim (redis.py), which its settle must drop
-    # This process's monotonic clock when the answer arrived: lease deadlines are computed from it, never
-    # from the wall clock, so a clock step cannot stretch a background retry past the lease.
-    received: float = field(default_factory=time.monotonic, compare=False)
     grace: bool = False  # not owned: an in-flight record in its TAKEOVER_GRACE (its lease had run out)
 
     def lease_left(self) -> float:
@@ -148,32 +152,27 @@ class Claim:
         expires = self.record.lease_expires_at
         if expires is None:
             return 0.0
-        return expires - self.now - (time.monotonic() - self.received)
+        return expires - self.now - (time.monotonic() - self.sent)
 
     def lease_end(self) -> float:
         """When the lease runs out, as an instant of this process's monotonic clock (no clock is read: a pause
         of the process between computing it and using it cannot move it)."""
         expires = self.record.lease_expires_at
         if expires is None:
-            return self.received
-        return self.received + expires - self.now
+            return self.sent
+        return self.sent + expires - self.now
 
     @property
     def token(self) -> str:
         assert self.owned and self.record.lease_token is not None
         return self.record.lease_token
 
-    # ``dataclasses.replace`` walks the fields on every call; these two run on every first request.
-    # (tests/test_store.py checks that they carry every other field.)
-    def received_at(self, received: float) -> Claim:
-        """This claim, its answer counted as arrived at ``received`` (this process's monotonic clock)."""
-        return Claim(self.record, self.owned, self.now, self.took_over, self.replaced_expired, self.cache_epoch,
-                     self.cache_lock, received, self.grace)
-
+    # ``dataclasses.replace`` walks the fields on every call; this runs on every first request.
+    # (tests/test_store.py checks that it carries every other field.)
     def with_epoch(self, cache_epoch: str, cache_lock: bool = False) -> Claim:
         """This claim, with what the cache in front of the durable store read first, and whether it locked."""
-        return Claim(self.record, self.owned, self.now, self.took_over, self.replaced_expired, cache_epoch,
-                     cache_lock, self.received, self.grace)
+        return Claim(self.record, self.owned, self.now, self.sent, self.took_over, self.replaced_expired,
+                     cache_epoch, cache_lock, self.grace)
 
 
 class _Measured:

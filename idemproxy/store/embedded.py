@@ -104,8 +104,9 @@ class EmbeddedStore(Store):
             loop = self._loop = asyncio.get_running_loop()
         return loop
 
-    def _now(self) -> float:
-        return self._wall0 + (time.monotonic() - self._mono0)
+    def _now(self, at: float | None = None) -> float:
+        """This store's clock, now or at the instant ``at`` of the monotonic clock it runs on."""
+        return self._wall0 + ((time.monotonic() if at is None else at) - self._mono0)
 
     async def clock(self) -> float:
         return self._now()
@@ -297,7 +298,8 @@ class EmbeddedStore(Store):
         token = token or new_token()
 
         def claim(db: sqlite3.Connection) -> Claim:
-            now = self._now()
+            sent = time.monotonic()  # (this store's clock runs on it: the lease starts exactly then)
+            now = self._now(sent)
             row = db.execute(f"SELECT {_COLUMNS} FROM records WHERE tenant=? AND key=?",
                              (tenant, key)).fetchone()
             # Decided on without the response: an expired record is replaced even when it no longer opens.
@@ -316,7 +318,7 @@ class EmbeddedStore(Store):
                       and current.fingerprint == fingerprint):
                     took_over = True
                 else:
-                    return Claim(record=_record(row, self.codec), owned=False, now=now)
+                    return Claim(record=_record(row, self.codec), owned=False, now=now, sent=sent)
             record = Record(
                 tenant=tenant, key=key, fingerprint=fingerprint, state=State.IN_FLIGHT,
                 lease_token=token, lease_expires_at=now + lease, response=None, created_at=now,
@@ -328,7 +330,7 @@ class EmbeddedStore(Store):
                 (tenant, key, fingerprint, record.state.value, token, record.lease_expires_at,
                  now, record.expires_at),
             )
-            return Claim(record=record, owned=True, now=now, took_over=took_over,
+            return Claim(record=record, owned=True, now=now, sent=sent, took_over=took_over,
                          replaced_expired=replaced)
 
         return await self._write("claim", claim)

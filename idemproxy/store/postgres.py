@@ -547,6 +547,8 @@ async def _no_reset(_conn: Any) -> None:
 
 # A queued claim: tenant, key, fingerprint, token, lease, ttl.
 _ClaimCall = tuple[str, str, str, str, float, float]
+# A claim's row, and when its statement was first written (monotonic): the lease is counted from then (Claim.sent).
+_Claimed = tuple[Any, float]
 # A queued completion: tenant, key, token, status, headers, body, body stored, ttl, expiry seen, notify payload.
 _CompleteCall = tuple[str, str, str, int, str, bytes, bool, float, datetime, str | None]
 
@@ -913,7 +915,7 @@ class PostgresStore(Store):
         # Group commit (daily layout, once its batch functions exist): claims and completions of concurrent
         # requests go out together.
         self.batching = False
-        self._claims: Batcher[_ClaimCall, Any] = Batcher(
+        self._claims: Batcher[_ClaimCall, _Claimed] = Batcher(
             self._claim_batch, max_batch=BATCH_MAX, max_in_flight=BATCHES_IN_FLIGHT, abandoned=self._unclaim,
             # bounded from the call, not from its batch leaving: queued behind stalled batches, a claim would
             # otherwise wait out their timeouts and then its own
@@ -1297,25 +1299,28 @@ class PostgresStore(Store):
     ) -> Claim:
         token = token or new_token()
         try:
-            row = await self._claim(tenant, key, fingerprint, token, lease, ttl)
+            row, written = await self._claim(tenant, key, fingerprint, token, lease, ttl)
         except StoreUnavailable as exc:
             # `idemproxy migrate` converted the table under this running replica: ON CONFLICT (tenant, key) finds
             # no unique index on the partitioned table. Learn the new layout and claim again, once.
             if self.layout != "none" or not isinstance(exc.__cause__, asyncpg.InvalidColumnReferenceError):
                 raise
             await self._refresh_layout()
-            row = await self._claim(tenant, key, fingerprint, token, lease, ttl)
+            row, written = await self._claim(tenant, key, fingerprint, token, lease, ttl)
         owned = bool(row["owned"])
         return Claim(
             record=_record(row, self.codec),
             owned=owned,
             now=row["db_now"].timestamp(),
+            sent=written,
             took_over=owned and row["claim_kind"] == "takeover",
             replaced_expired=owned and row["claim_kind"] == "expired",
             grace=not owned and row["state"] == "in_flight" and row["claim_kind"] == "grace",
         )
 
-    async def _claim(self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float) -> Any:
+    async def _claim(
+        self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float
+    ) -> _Claimed:
         if self.batching:
             async with self.measured("claim"):
                 try:
@@ -1326,18 +1331,20 @@ class PostgresStore(Store):
                     raise _unavailable("claim", exc, maybe_applied=exc.sent) from exc
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
         sent = False  # (a claim still waiting for the pool when its time ran out was never sent)
-        written = float("inf")  # when it was (monotonic)
+        written = first = float("inf")  # when it was (monotonic), and first was
         async with self.measured("claim"):  # (outside the timeout: its 503 is counted as a store error)
             try:
                 # the pool's wait and the statement share the 5 s: a claim that got the last connection late must
                 # not then wait a whole statement timeout more
                 async with asyncio.timeout(OPERATION_TIMEOUT):
 
-                    async def attempt(conn: Any) -> Any:
-                        nonlocal sent, written
+                    async def attempt(conn: Any) -> _Claimed:
+                        nonlocal sent, written, first
                         sent, written = True, time.monotonic()
+                        first = min(first, written)  # (a try again is one whose first was never sent: _live)
                         try:
-                            return await _claimed(conn, statement, tenant, key, fingerprint, token, lease, ttl)
+                            return await _claimed(conn, statement, tenant, key, fingerprint, token, lease,
+                                                  ttl), first
                         except Exception as exc:
                             sent = not _unsent(exc)  # (refused before it was written: the next try decides)
                             raise
@@ -1357,15 +1364,19 @@ class PostgresStore(Store):
 
     async def _batch(
         self, operation: str, statement_for: Callable[[list[Any]], tuple[str, list[Any]]], calls: list[Any]
-    ) -> list[Any]:
+    ) -> tuple[list[Any], float]:
         """One statement for a batch of calls (``statement_for`` gives it and its arguments): the rows it returned,
-        by call (``idx`` counts from 1). When the statement refused one call's own data, the batch failed as a
-        whole: each call is then sent alone, so only that one fails."""
+        by call (``idx`` counts from 1), and when it was first written (monotonic: before the server read its clock
+        for any of them). When the statement refused one call's own data, the batch failed as a whole: each call is
+        then sent alone, so only that one fails."""
         statement, arguments = statement_for(calls)
         batch = id(arguments)
+        written = float("inf")
 
         def run(conn: Any) -> Awaitable[Any]:
-            self._on_wire[batch] = time.monotonic()  # (a claim whose time runs out meanwhile looks: _unanswered)
+            nonlocal written
+            now = self._on_wire[batch] = time.monotonic()  # (a claim whose time runs out meanwhile looks: _unanswered)
+            written = min(written, now)  # (a try again is one whose first was never sent: _live)
             return conn.fetch(statement, *arguments)  # type: ignore[no-any-return]
 
         try:
@@ -1379,28 +1390,30 @@ class PostgresStore(Store):
             alone: list[Any] = []
             for call in calls:
                 try:
-                    alone.extend(await self._batch(operation, statement_for, [call]))
+                    alone.extend((await self._batch(operation, statement_for, [call]))[0])
                 except (StoreRejected, StoreUnavailable) as one:
                     alone.append(one)
-            return alone
+            return alone, written
         by_call = {row["idx"]: row for row in rows}
         return [by_call.get(n) or StoreUnavailable("The idempotency store gave no answer for this call.")
-                for n in range(1, len(calls) + 1)]
+                for n in range(1, len(calls) + 1)], written
 
-    def _unclaim(self, call: _ClaimCall, outcome: Any) -> None:
+    def _unclaim(self, call: _ClaimCall, outcome: _Claimed | BaseException) -> None:
         """A claim whose caller was cancelled while its batch was on the wire: if it made that caller the owner,
         nobody will forward or release it, so release it now (fenced by its token), not after a whole lease."""
-        if isinstance(outcome, BaseException) or not outcome["owned"]:
+        if isinstance(outcome, BaseException) or not outcome[0]["owned"]:
             return
         tenant, key, _, token, _, _ = call
         follow_up(self._unclaiming, self._change("release", _RELEASE, tenant, key, token),
                   "releasing an abandoned claim (it keeps its lease until it runs out)")
 
-    async def _claim_batch(self, calls: list[_ClaimCall]) -> list[Any]:
-        return await self._batch("claim", _claim_statement, calls)
+    async def _claim_batch(self, calls: list[_ClaimCall]) -> list[_Claimed | BaseException]:
+        """Each call's row with when its statement was written (``_Claimed``), or the exception it alone raised."""
+        rows, written = await self._batch("claim", _claim_statement, calls)
+        return [row if isinstance(row, BaseException) else (row, written) for row in rows]
 
     async def _complete_batch(self, calls: list[_CompleteCall]) -> list[Any]:
-        rows = await self._batch("complete", self._complete_statement, calls)
+        rows, _ = await self._batch("complete", self._complete_statement, calls)
         return [row if isinstance(row, BaseException) else int(row["changed"]) for row in rows]
 
     def _complete_statement(self, calls: list[_CompleteCall]) -> tuple[str, list[Any]]:

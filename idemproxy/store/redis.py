@@ -681,11 +681,14 @@ class RedisFrontedStore(Store):
         token: str | None = None,
     ) -> Claim:
         token = token or new_token()
+        asked = time.monotonic()
         fast = await self._fast_claim(tenant, key, fingerprint, token, lease)
         if fast is not None and fast.record is not None:
-            return Claim(record=fast.record, owned=False, now=time.time() if fast.now is None else fast.now)
+            return Claim(record=fast.record, owned=False, now=time.time() if fast.now is None else fast.now,
+                         sent=asked)
         # Redis granted the lock, could not answer, or named another fingerprint: the durable store decides
-        # (guarantee 4). A lock Redis may have granted is dropped as one it did (fenced by the token: harmless
+        # (guarantee 4), and its claim's lease counts from when its statement was written (Claim.sent), after this
+        # Redis step. A lock Redis may have granted is dropped as one it did (fenced by the token: harmless
         # if it never was), in the background if Redis still fails then.
         locked = fast is not None and fast.kind in ("acquired", "unknown")
         epoch = fast.epoch if fast is not None else UNKNOWN_EPOCH
