@@ -4,10 +4,8 @@ across nodes, and a master killed mid-run (the proxy keeps answering from Postgr
 from __future__ import annotations
 
 import asyncio
-import gc
 import random
 import signal
-import warnings
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -25,25 +23,6 @@ from tests.upstream import RecordingUpstream
 FP = "f" * 64
 OK = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
 CHARGE = {"amount": 1000, "currency": "eur"}
-
-
-@pytest.fixture(autouse=True)
-async def orphaned_sockets_closed_in_this_loop() -> AsyncIterator[None]:
-    """redis-py's cluster client hands the disconnection of the nodes a topology refresh drops to background
-    tasks (NodesManager.set_nodes): let them finish, and collect what they leave, while this test's loop still
-    runs. Found after the loop has closed, such sockets surface as unclosed-socket warnings in whatever test the
-    collector happens to run in. The store's own connections are not left to this: its close closes them, the
-    one that woke its subscriber included (test_closing_after_a_node_was_lost_closes_every_connection asks the
-    nodes). To see what this collects, run the file without it under `-p tests.leakcheck`, which names where each
-    socket left open was made. (Set up first, so torn down after the stores have closed.)"""
-    yield
-    current = asyncio.current_task()
-    others = [task for task in asyncio.all_tasks() if task is not current]
-    if others:
-        await asyncio.wait(others, timeout=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)  # the collector closes each as it finds it
-        gc.collect()
 
 
 @pytest.fixture
