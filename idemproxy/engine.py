@@ -446,7 +446,7 @@ class Engine:
     async def _claim_once(self, tenant: str, key: str, fp: str, idem: IdempotencyConfig) -> Claim:
         cached = self.replays.get(tenant, key)
         if cached is not None:  # a completed record this process read lately: no network at all
-            return Claim(record=cached, owned=False, now=time.time(), sent=time.monotonic())
+            return Claim(record=cached, owned=False, sent=time.monotonic(), now=time.time())
         if self.settler.named:  # an answer this replica executed for the key and still holds: store it first
             await self.settler.hurry((tenant, key), HURRY_WAIT)
         token = new_token()

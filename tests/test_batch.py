@@ -623,9 +623,11 @@ async def test_a_batch_mixing_every_kind_of_claim_decides_each_as_one_call_alone
     assert [row[9] for row in batched if str(row[0]).startswith("new")] == [60, 30]  # expiry: the ttl, or the lease
 
 
-async def claim_behind_a_lock(store: PostgresStore, dsn: str, key: str, *, together: bool) -> tuple[Claim, float]:
+async def claim_behind_a_lock(
+    store: PostgresStore, dsn: str, key: str, *, together: bool
+) -> tuple[Claim, float, float]:
     """Claim ``key`` (alone, or with another key in one batch) while another session holds the key's lock: the
-    claim, and the wall-clock time the lock was let go."""
+    claim, and the time the lock was let go, on the wall clock and on the monotonic one."""
     held = await hold_key_locks(dsn, [key])
     calls = [store.claim("t", key, FP, lease=30, ttl=60)]
     if together:
@@ -636,10 +638,10 @@ async def claim_behind_a_lock(store: PostgresStore, dsn: str, key: str, *, toget
                                       "AND datname = current_database()"):
             pass  # one round trip per look, until the claim's transaction waits on the lock
         await asyncio.sleep(0.2)  # not a race: the interval between that transaction's start and its read
-        released = time.time()
+        released, let_go = time.time(), time.monotonic()
     finally:
         await held.close()
-    return (await claims)[0], released
+    return (await claims)[0], released, let_go
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["alone", "batched"])
@@ -647,11 +649,12 @@ async def test_an_owner_counts_from_its_transaction_start_a_standing_record_from
     pg_store: PostgresStore, clean_pg: str, together: bool
 ) -> None:
     """The owner's lease was counted from the transaction's start, so its clock is that; a record that stands is
-    judged (a cached copy's lifetime, lease_expires_in) by the clock when it was read, later."""
-    owner, released = await claim_behind_a_lock(pg_store, clean_pg, "new", together=together)
-    assert owner.owned and owner.now < released - 0.1
+    judged (a cached copy's lifetime, lease_expires_in) by the clock when it was read, later. This process counts
+    the owner's lease from before that start (Claim.sent, the statement's write), never from the answer."""
+    owner, released, let_go = await claim_behind_a_lock(pg_store, clean_pg, "new", together=together)
+    assert owner.owned and owner.now < released - 0.1 and owner.sent < let_go - 0.1
     await pg_store.claim("t", "standing", FP, lease=30, ttl=60)
-    standing, released = await claim_behind_a_lock(pg_store, clean_pg, "standing", together=together)
+    standing, released, _ = await claim_behind_a_lock(pg_store, clean_pg, "standing", together=together)
     assert not standing.owned and standing.now >= released - 0.01
 
 
