@@ -311,15 +311,22 @@ class RedisClusterServers:
     """A Redis Cluster of real ``redis-server --cluster-enabled yes`` nodes on free loopback ports: ``masters``
     masters, each with ``replicas`` replicas, slots assigned by ``redis-cli --cluster create``. kill() one node
     to lose it (a replica, if any, is promoted after ``node_timeout_ms``); destroy() stops them all. With a
-    ``password``, every node requires it (AUTH), of clients and of each other."""
+    ``password``, every node requires it (AUTH), of clients and of each other. With ``tls`` (as
+    :class:`RedisServer`'s), every node speaks TLS only, to clients and to each other (:class:`NoTlsRedis` when no
+    redis-server here is built with it)."""
 
-    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000, password: str = "") -> None:
-        self.binary = RedisServer._find()[0]
+    def __init__(
+        self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000, password: str = "",
+        tls: Path | None = None,
+    ) -> None:
+        self.binary = RedisServer._find()[0] if tls is None else self._tls_binary(tls)
         self.cli = self._find_cli()
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         self.password = password
-        self._auth = ["-a", password, "--no-auth-warning"] if password else []
+        self.tls = tls
+        self._auth = [*(["-a", password, "--no-auth-warning"] if password else []),
+                      *(["--tls", "--cacert", str(tls / "ca.pem")] if tls else [])]
         self.dir = Path(tempfile.mkdtemp(prefix="idemproxy-redis-cluster-"))
         self.ports = [_cluster_port() for _ in range(masters * (1 + replicas))]
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -330,15 +337,30 @@ class RedisClusterServers:
         node_dir = self.dir / str(port)
         node_dir.mkdir(exist_ok=True)
         log = node_dir / "redis.log"
+        tls = self.tls
         with log.open("ab") as out:
             self.procs[port] = subprocess.Popen(
-                [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                [self.binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                  "--dir", str(node_dir), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                  "--cluster-node-timeout", str(self.node_timeout_ms),
-                 *(["--requirepass", self.password, "--masterauth", self.password] if self.password else [])],
+                 *(["--requirepass", self.password, "--masterauth", self.password] if self.password else []),
+                 *(["--port", str(port)] if tls is None else  # (the bus: the TLS port + 10000, in TLS too)
+                   ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
+                    "--tls-cert-file", str(tls / "cert.pem"), "--tls-key-file", str(tls / "key.pem"),
+                    "--tls-ca-cert-file", str(tls / "ca.pem"), "--tls-auth-clients", "no"])],
                 stdout=out, stderr=subprocess.STDOUT,
             )
         _wait_for_port(port, 10, self.procs[port], log)
+
+    @staticmethod
+    def _tls_binary(tls: Path) -> str:
+        """The first redis-server that starts with TLS (one node alone, stopped again)."""
+        probe = RedisServer(tls=tls)
+        try:
+            probe.start()
+            return probe.binary
+        finally:
+            probe.destroy()
 
     def _find_cli(self) -> str:
         beside = Path(self.binary).parent / "redis-cli"
@@ -349,7 +371,8 @@ class RedisClusterServers:
 
     @property
     def url(self) -> str:
-        return f"redis://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.ports[0]}/0"
+        scheme, query = ("redis", "") if self.tls is None else ("rediss", f"?ssl_ca_certs={self.tls / 'ca.pem'}")
+        return f"{scheme}://{f':{self.password}@' if self.password else ''}127.0.0.1:{self.ports[0]}/0{query}"
 
     def start(self) -> None:
         for port in self.ports:

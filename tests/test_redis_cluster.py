@@ -15,9 +15,10 @@ import uvloop
 
 from idemproxy.config import cluster_nodes, load_config
 from idemproxy.store import StoredResponse, build_store
+from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import CLUSTER_STEP_TIMEOUT, RedisFrontedStore, at_node
 from tests.conftest import ProxyFactory
-from tests.servers import RedisClusterServers
+from tests.servers import NoTlsRedis, RedisClusterServers, make_tls_files
 from tests.upstream import RecordingUpstream
 
 FP = "f" * 64
@@ -38,6 +39,19 @@ def guarded_cluster() -> Iterator[RedisClusterServers]:
         yield servers
 
 
+@pytest.fixture
+def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    """A cluster speaking TLS only, to clients and between nodes, with a password (skipped where no redis-server
+    here is built with TLS)."""
+    try:
+        servers = RedisClusterServers(masters=3, replicas=0, password="pw-of-the-cluster",
+                                      tls=make_tls_files(tmp_path_factory.mktemp("tls")))
+    except NoTlsRedis as exc:
+        pytest.skip(str(exc))
+    with servers:
+        yield servers
+
+
 def section(cluster: RedisClusterServers, pg_dsn: str, url: str = "") -> dict[str, Any]:
     return {"postgres": {"dsn": pg_dsn, "pool_min": 1, "pool_max": 10},
             "redis": {"url": url or cluster.url, "key_prefix": "cl:", "cluster": True}}
@@ -49,6 +63,15 @@ async def open_store(cluster: RedisClusterServers, pg_dsn: str, url: str = "") -
     assert isinstance(store, RedisFrontedStore)
     await store.open()
     return store
+
+
+async def hearing(*stores: RedisFrontedStore, within: float = 10) -> None:
+    """Until every store's subscriber has heard the cluster (its notifications are live)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not all(store.notifications_live() for store in stores):
+        assert loop.time() < deadline, "a subscriber never heard the cluster"
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -237,11 +260,7 @@ async def test_a_cluster_that_requires_a_password_carries_completions(
     url = f"{guarded_cluster.url}?reinitialize_steps=5"  # an option of the cluster client's own, as well
     first, second = [await open_store(guarded_cluster, clean_pg, url) for _ in range(2)]
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while not (first.notifications_live() and second.notifications_live()):
-            assert loop.time() < deadline, "a subscriber never heard the cluster"
-            await asyncio.sleep(0.05)
+        await hearing(first, second)
         claim = await first.claim("t", "pw", FP, lease=30, ttl=60)
         with second.watch("t", "pw") as changed:
             await first.complete(claim, OK, ttl=60)
@@ -316,3 +335,35 @@ async def test_a_stopped_cluster_costs_each_claim_one_bounded_step(
         for port in stopped:
             cluster.signal(port, signal.SIGCONT)
         await store.close()
+
+
+async def test_a_cluster_over_tls_serves_every_master_and_carries_completions(
+    tls_cluster: RedisClusterServers, clean_pg: str
+) -> None:
+    """`rediss://` on a cluster: the startup node, each master the cluster client learns of (redirected to by
+    MOVED), and the subscriber's client to one node (built from the url: at_node) all verify the server with the
+    authority the url names and authenticate with its password. Replays of keys spread over every master come from
+    Redis alone, and a completion is heard by another replica."""
+    first, second = [await open_store(tls_cluster, clean_pg) for _ in range(2)]
+    try:
+        await hearing(first, second)
+        keys = [f"tls{i}" for i in range(12)]
+        for key in keys:
+            claim = await first.claim("t", key, FP, lease=30, ttl=60)
+            assert claim.owned and claim.cache_lock
+            with second.watch("t", key) as changed:
+                assert await first.complete(claim, OK, ttl=60)
+                await asyncio.wait_for(changed, 5)
+        assert isinstance(second.durable, PostgresStore)
+        statements = second.durable.statements
+        for key in keys:
+            replay = await second.claim("t", key, FP, lease=30, ttl=60)
+            assert not replay.owned and replay.record.response == OK
+        assert second.durable.statements == statements  # every replay from Redis
+        masters = set(tls_cluster.masters())
+        holding = {port for port in masters
+                   if int(tls_cluster.info(port, "DBSIZE").strip() or 0) > 0}
+        assert holding == masters  # the keys spread over every master, each reached over TLS
+    finally:
+        await first.close()
+        await second.close()
