@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import asyncpg
@@ -71,7 +72,7 @@ def scratch_database(admin_dsn: str, prefix: str, before_drop: Callable[[], None
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     _admin_sql(admin_dsn, f"CREATE DATABASE {name}")
     try:
-        yield f"{admin_dsn.rpartition('/')[0]}/{name}"
+        yield urlunsplit(urlsplit(admin_dsn)._replace(path=f"/{name}"))  # (a query may hold paths: sslrootcert)
     finally:
         before_drop()
         _admin_sql(admin_dsn, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

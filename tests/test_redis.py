@@ -26,7 +26,7 @@ from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import BREAKER_COOLDOWN, LOCK_MAX, YOUNG_LOCK, RedisFrontedStore, _decode, _encode
 from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
-from tests.servers import NoTlsRedis, RedisServer, free_port, make_tls_files
+from tests.servers import NoTlsServer, RedisServer, free_port, make_tls_files
 from tests.test_faults import durable, redis_round_trips
 from tests.test_settle import until
 from tests.upstream import RecordingUpstream
@@ -787,7 +787,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
     server = RedisServer(tls=make_tls_files(tmp_path_factory.mktemp("tls")))
     try:
         server.start()
-    except NoTlsRedis as exc:
+    except NoTlsServer as exc:
         server.destroy()
         pytest.skip(str(exc))
     yield server

@@ -18,7 +18,7 @@ from idemproxy.store import StoredResponse, build_store
 from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import CLUSTER_STEP_TIMEOUT, RedisFrontedStore, at_node
 from tests.conftest import ProxyFactory
-from tests.servers import NoTlsRedis, RedisClusterServers, make_tls_files
+from tests.servers import NoTlsServer, RedisClusterServers, make_tls_files
 from tests.upstream import RecordingUpstream
 
 FP = "f" * 64
@@ -46,7 +46,7 @@ def tls_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClust
     try:
         servers = RedisClusterServers(masters=3, replicas=0, password="pw-of-the-cluster",
                                       tls=make_tls_files(tmp_path_factory.mktemp("tls")))
-    except NoTlsRedis as exc:
+    except NoTlsServer as exc:
         pytest.skip(str(exc))
     with servers:
         yield servers
