@@ -18,6 +18,7 @@ timeout (it wakes up demoted, its unreplicated writes lost), and every node stop
   IDEMPROXY_STORM_SEED=1234      replay a run (the seed is printed; timing still varies)
   IDEMPROXY_STORM_SECONDS=600    the long form (default: 25 s of faults)
   IDEMPROXY_STORM_WAIT=1         duplicates wait for the owner (in_flight: wait) instead of getting 409
+  IDEMPROXY_STORM_TLS=1          test_storm on a Redis and a PostgreSQL that speak TLS only (see TLS below)
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ import redis as sync_redis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.conftest import scratch_database
 from tests.proxyproc import ProxyProcess
 from tests.relay import Relay
-from tests.servers import PostgresServer, RedisClusterServers, RedisServer
+from tests.servers import NoTlsServer, PostgresServer, RedisClusterServers, RedisServer, make_tls_files
 
 STORM_SECONDS = float(os.environ.get("IDEMPROXY_STORM_SECONDS", "25"))
 # IDEMPROXY_STORM_LEASE=1.5 attacks a lease just over upstream.timeout (1 s): the forward is then cut at the lease
@@ -66,6 +68,11 @@ SEAL = os.environ.get("IDEMPROXY_STORM_SEAL", "") == "1"
 # IDEMPROXY_STORM_CACHE_TTL=2s lets Redis's replay copies expire during the run (default 1 h: only a Redis
 # restart empties them), so retries meet PostgreSQL's completed records behind a Redis that has lost them.
 CACHE_TTL = os.environ.get("IDEMPROXY_STORM_CACHE_TTL", "1h")
+# IDEMPROXY_STORM_TLS=1 runs test_storm on a Redis and a PostgreSQL of its own that speak TLS only, each verified
+# by the proxies (skipped where no binaries here are built with TLS): the relays' cuts and stalls, and the
+# restarts, land on TLS streams, and Redis is reached through redis-py's client (a rediss:// url), not the store's
+# own connection.
+TLS = os.environ.get("IDEMPROXY_STORM_TLS", "") == "1"
 MIN_TAKEOVER_GAP = LEASE - 1.0  # a second execution comes only after the first one's lease ran out
 SETTLE_GRACE = LEASE + 10  # after the faults stop, every key must get its answer within this
 CLIENT_TIMEOUT = 20.0  # one request; longer than any answer a healthy proxy holds back
@@ -520,6 +527,7 @@ class Verdict:
             f"storm seed={storm.seed} seconds={STORM_SECONDS:g} lease={LEASE:g} sealed={SEAL} "
             f"redis={'cluster' if storm.cluster is not None else 'single'} "
             f"wait={IDEMPOTENCY.get('in_flight') == 'wait'} cache_ttl={CACHE_TTL} "
+            f"tls={TLS and storm.cluster is None} "
             f"(replay: IDEMPROXY_STORM_SEED={storm.seed})",
             f"keys={len(storm.keys)} requests={storm.requests} executions={len(storm.upstream.executions)} "
             f"dropped-by-upstream={sum(e.dropped for e in storm.upstream.executions)} second-executions={second}",
@@ -565,23 +573,56 @@ def via(url: str, relay: Relay) -> str:
 
 
 @pytest.fixture
-def relays(own_pg: PostgresServer, running_redis: RedisServer) -> Iterator[tuple[Relay, Relay]]:
-    with Relay("127.0.0.1", own_pg.port, name="pg") as pg, \
-            Relay("127.0.0.1", running_redis.port, name="redis") as redis:
+def storm_servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[PostgresServer, str, RedisServer]]:
+    """The PostgreSQL (with a database of the run's own) and the Redis test_storm attacks: the suite's stoppable
+    ones, or (IDEMPROXY_STORM_TLS=1) a pair of its own speaking TLS only."""
+    if not TLS:
+        yield request.getfixturevalue("own_pg"), request.getfixturevalue("own_pg_dsn"), \
+            request.getfixturevalue("running_redis")
+        return
+    tls = make_tls_files(tmp_path_factory.mktemp("storm-tls"))
+    try:
+        pg, redis = PostgresServer(tls=tls), RedisServer(tls=tls)
+    except NoTlsServer as exc:
+        pytest.skip(str(exc))
+    try:
+        pg.start()
+        try:
+            redis.start()
+        except NoTlsServer as exc:
+            pytest.skip(str(exc))
+        def running_again() -> None:
+            if not pg.running():
+                pg.start()
+
+        with scratch_database(pg.admin_dsn, "idemproxy_storm", before_drop=running_again) as dsn:
+            yield pg, dsn, redis
+    finally:
+        redis.destroy()
+        pg.destroy()
+
+
+@pytest.fixture
+def relays(storm_servers: tuple[PostgresServer, str, RedisServer]) -> Iterator[tuple[Relay, Relay]]:
+    pg_server, _, redis_server = storm_servers
+    with Relay("127.0.0.1", pg_server.port, name="pg") as pg, \
+            Relay("127.0.0.1", redis_server.port, name="redis") as redis:
         yield pg, redis
 
 
 @pytest.mark.timeout(STORM_SECONDS + 2 * SETTLE_GRACE + 60)
 async def test_storm(
-    own_pg: PostgresServer, own_pg_dsn: str, running_redis: RedisServer, relays: tuple[Relay, Relay],
+    storm_servers: tuple[PostgresServer, str, RedisServer], relays: tuple[Relay, Relay],
     proxy_process: Callable[..., ProxyProcess],
 ) -> None:
+    pg, pg_dsn, redis = storm_servers
     pg_relay, redis_relay = relays
     await storm_and_verdict(
-        lambda upstream_url: proxy_config(upstream_url, via(own_pg_dsn, pg_relay), via(running_redis.url,
-                                                                                       redis_relay)),
+        lambda upstream_url: proxy_config(upstream_url, via(pg_dsn, pg_relay), via(redis.url, redis_relay)),
         proxy_process,
-        lambda seed, upstream, proxies: Storm(seed, upstream, proxies, own_pg, pg_relay, redis=running_redis,
+        lambda seed, upstream, proxies: Storm(seed, upstream, proxies, pg, pg_relay, redis=redis,
                                               redis_relay=redis_relay),
     )
 
