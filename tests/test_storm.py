@@ -18,7 +18,7 @@ timeout (it wakes up demoted, its unreplicated writes lost), and every node stop
   IDEMPROXY_STORM_SEED=1234      replay a run (the seed is printed; timing still varies)
   IDEMPROXY_STORM_SECONDS=600    the long form (default: 25 s of faults)
   IDEMPROXY_STORM_WAIT=1         duplicates wait for the owner (in_flight: wait) instead of getting 409
-  IDEMPROXY_STORM_TLS=1          test_storm on a Redis and a PostgreSQL that speak TLS only (see TLS below)
+  IDEMPROXY_STORM_TLS=1          on servers that speak TLS only (see TLS below)
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import count, pairwise
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -68,10 +69,10 @@ SEAL = os.environ.get("IDEMPROXY_STORM_SEAL", "") == "1"
 # IDEMPROXY_STORM_CACHE_TTL=2s lets Redis's replay copies expire during the run (default 1 h: only a Redis
 # restart empties them), so retries meet PostgreSQL's completed records behind a Redis that has lost them.
 CACHE_TTL = os.environ.get("IDEMPROXY_STORM_CACHE_TTL", "1h")
-# IDEMPROXY_STORM_TLS=1 runs test_storm on a Redis and a PostgreSQL of its own that speak TLS only, each verified
-# by the proxies (skipped where no binaries here are built with TLS): the relays' cuts and stalls, and the
-# restarts, land on TLS streams, and Redis is reached through redis-py's client (a rediss:// url), not the store's
-# own connection.
+# IDEMPROXY_STORM_TLS=1 runs either storm on servers of its own that speak TLS only (PostgreSQL, and the Redis or
+# every cluster node), each verified by the proxies (skipped where no binaries here are built with TLS): the
+# relays' cuts and stalls, and the restarts, kills and pauses, land on TLS streams, and a single Redis is reached
+# through redis-py's client (a rediss:// url), not the store's own connection.
 TLS = os.environ.get("IDEMPROXY_STORM_TLS", "") == "1"
 MIN_TAKEOVER_GAP = LEASE - 1.0  # a second execution comes only after the first one's lease ran out
 SETTLE_GRACE = LEASE + 10  # after the faults stop, every key must get its answer within this
@@ -527,7 +528,7 @@ class Verdict:
             f"storm seed={storm.seed} seconds={STORM_SECONDS:g} lease={LEASE:g} sealed={SEAL} "
             f"redis={'cluster' if storm.cluster is not None else 'single'} "
             f"wait={IDEMPOTENCY.get('in_flight') == 'wait'} cache_ttl={CACHE_TTL} "
-            f"tls={TLS and storm.cluster is None} "
+            f"tls={TLS} "
             f"(replay: IDEMPROXY_STORM_SEED={storm.seed})",
             f"keys={len(storm.keys)} requests={storm.requests} executions={len(storm.upstream.executions)} "
             f"dropped-by-upstream={sum(e.dropped for e in storm.upstream.executions)} second-executions={second}",
@@ -572,52 +573,66 @@ def via(url: str, relay: Relay) -> str:
     return parts._replace(netloc=f"{user}127.0.0.1:{relay.port}").geturl()
 
 
+@pytest.fixture(scope="module")
+def storm_tls(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """IDEMPROXY_STORM_TLS=1: the certificates the storm's own servers present (None: the suite's plain ones)."""
+    return make_tls_files(tmp_path_factory.mktemp("storm-tls")) if TLS else None
+
+
 @pytest.fixture
-def storm_servers(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[PostgresServer, str, RedisServer]]:
-    """The PostgreSQL (with a database of the run's own) and the Redis test_storm attacks: the suite's stoppable
-    ones, or (IDEMPROXY_STORM_TLS=1) a pair of its own speaking TLS only."""
-    if not TLS:
-        yield request.getfixturevalue("own_pg"), request.getfixturevalue("own_pg_dsn"), \
-            request.getfixturevalue("running_redis")
+def storm_pg(request: pytest.FixtureRequest, storm_tls: Path | None) -> Iterator[tuple[PostgresServer, str]]:
+    """The PostgreSQL the storm attacks, with a database of the run's own: the suite's stoppable one, or one of its
+    own speaking TLS only."""
+    if storm_tls is None:
+        yield request.getfixturevalue("own_pg"), request.getfixturevalue("own_pg_dsn")
         return
-    tls = make_tls_files(tmp_path_factory.mktemp("storm-tls"))
     try:
-        pg, redis = PostgresServer(tls=tls), RedisServer(tls=tls)
+        pg = PostgresServer(tls=storm_tls)
     except NoTlsServer as exc:
         pytest.skip(str(exc))
+
+    def running_again() -> None:
+        if not pg.running():
+            pg.start()
+
     try:
         pg.start()
-        try:
-            redis.start()
-        except NoTlsServer as exc:
-            pytest.skip(str(exc))
-        def running_again() -> None:
-            if not pg.running():
-                pg.start()
-
         with scratch_database(pg.admin_dsn, "idemproxy_storm", before_drop=running_again) as dsn:
-            yield pg, dsn, redis
+            yield pg, dsn
     finally:
-        redis.destroy()
         pg.destroy()
 
 
 @pytest.fixture
-def relays(storm_servers: tuple[PostgresServer, str, RedisServer]) -> Iterator[tuple[Relay, Relay]]:
-    pg_server, _, redis_server = storm_servers
-    with Relay("127.0.0.1", pg_server.port, name="pg") as pg, \
-            Relay("127.0.0.1", redis_server.port, name="redis") as redis:
+def storm_redis(request: pytest.FixtureRequest, storm_tls: Path | None) -> Iterator[RedisServer]:
+    """The single Redis the storm attacks: the suite's stoppable one, or one of its own speaking TLS only."""
+    if storm_tls is None:
+        yield request.getfixturevalue("running_redis")
+        return
+    redis = RedisServer(tls=storm_tls)
+    try:
+        try:
+            redis.start()
+        except NoTlsServer as exc:
+            pytest.skip(str(exc))
+        yield redis
+    finally:
+        redis.destroy()
+
+
+@pytest.fixture
+def relays(storm_pg: tuple[PostgresServer, str], storm_redis: RedisServer) -> Iterator[tuple[Relay, Relay]]:
+    with Relay("127.0.0.1", storm_pg[0].port, name="pg") as pg, \
+            Relay("127.0.0.1", storm_redis.port, name="redis") as redis:
         yield pg, redis
 
 
 @pytest.mark.timeout(STORM_SECONDS + 2 * SETTLE_GRACE + 60)
 async def test_storm(
-    storm_servers: tuple[PostgresServer, str, RedisServer], relays: tuple[Relay, Relay],
+    storm_pg: tuple[PostgresServer, str], storm_redis: RedisServer, relays: tuple[Relay, Relay],
     proxy_process: Callable[..., ProxyProcess],
 ) -> None:
-    pg, pg_dsn, redis = storm_servers
+    (pg, pg_dsn), redis = storm_pg, storm_redis
     pg_relay, redis_relay = relays
     await storm_and_verdict(
         lambda upstream_url: proxy_config(upstream_url, via(pg_dsn, pg_relay), via(redis.url, redis_relay)),
@@ -628,28 +643,36 @@ async def test_storm(
 
 
 @pytest.fixture
-def storm_cluster() -> Iterator[RedisClusterServers]:
-    with RedisClusterServers(masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS, password="storm-pw") as servers:
+def storm_cluster(storm_tls: Path | None) -> Iterator[RedisClusterServers]:
+    try:
+        servers = RedisClusterServers(masters=3, replicas=1, node_timeout_ms=NODE_TIMEOUT_MS, password="storm-pw",
+                                      tls=storm_tls)
+    except NoTlsServer as exc:
+        pytest.skip(str(exc))
+    with servers:
         yield servers
 
 
 @pytest.mark.timeout(STORM_SECONDS + 2 * SETTLE_GRACE + 120)
 async def test_storm_on_a_redis_cluster(
-    own_pg: PostgresServer, own_pg_dsn: str, storm_cluster: RedisClusterServers,
+    storm_pg: tuple[PostgresServer, str], storm_cluster: RedisClusterServers, storm_tls: Path | None,
     proxy_process: Callable[..., ProxyProcess],
 ) -> None:
+    pg, pg_dsn = storm_pg
     # Every node in the url (a proxy started again finds one that answers) and a password, as in production.
-    seeds = (f"redis://:{storm_cluster.password}@"
-             + ",".join(f"127.0.0.1:{port}" for port in storm_cluster.ports) + "/0")
-    with Relay("127.0.0.1", own_pg.port, name="pg") as pg_relay:
+    first = urlsplit(storm_cluster.url)
+    seeds = first._replace(netloc=f":{storm_cluster.password}@"
+                           + ",".join(f"127.0.0.1:{port}" for port in storm_cluster.ports)).geturl()
+    with Relay("127.0.0.1", pg.port, name="pg") as pg_relay:
         await storm_and_verdict(
-            lambda upstream_url: proxy_config(upstream_url, via(own_pg_dsn, pg_relay), seeds, cluster=True),
+            lambda upstream_url: proxy_config(upstream_url, via(pg_dsn, pg_relay), seeds, cluster=True),
             proxy_process,
-            lambda seed, upstream, proxies: Storm(seed, upstream, proxies, own_pg, pg_relay, cluster=storm_cluster),
+            lambda seed, upstream, proxies: Storm(seed, upstream, proxies, pg, pg_relay, cluster=storm_cluster),
         )
     copies = 0
     for port in await asyncio.to_thread(storm_cluster.masters):
-        with sync_redis.Redis(port=port, password=storm_cluster.password) as node:
+        with sync_redis.Redis(port=port, password=storm_cluster.password, ssl=storm_tls is not None,
+                              ssl_ca_certs=None if storm_tls is None else str(storm_tls / "ca.pem")) as node:
             copies += int(node.dbsize())
     assert copies, "no key in the cluster: the storm never took the Redis fast path"
 
