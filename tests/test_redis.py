@@ -18,6 +18,7 @@ import redis as sync_redis
 from aiohttp.test_utils import TestServer
 
 from idemproxy.config import load_config
+from idemproxy.problems import StoreUnavailable
 from idemproxy.store import build_store
 from idemproxy.store import redis as redis_store
 from idemproxy.store.base import Record, State, StoredResponse
@@ -794,21 +795,23 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]
     server.destroy()
 
 
+async def opened(pg_dsn: str, url: str, prefix: str, cluster: bool = False) -> RedisFrontedStore:
+    config = load_config({"upstream": {"url": "http://127.0.0.1:1"},
+                          "storage": section(pg_dsn, url, prefix, cluster=cluster)})
+    store = build_store(config.storage)
+    assert isinstance(store, RedisFrontedStore)
+    await store.open()
+    return store
+
+
 async def test_a_redis_over_tls_serves_locks_replays_and_notifications(tls_redis: RedisServer, clean_pg: str) -> None:
     """`rediss://`, the authority's certificate named in the url (``ssl_ca_certs``): redis-py's client, not the
     store's own connection, and every part of the fast path over TLS: the lock, a 409 and a replay from Redis alone
-    (no SQL), a completion announced to another replica. A url that cannot verify the server (no authority named)
-    costs the fast path, never an answer: PostgreSQL decides."""
-    stores = []
-    for url in (tls_redis.url, tls_redis.url, tls_redis.url.partition("?")[0]):
-        config = load_config({"upstream": {"url": "http://127.0.0.1:1"},
-                              "storage": section(clean_pg, url, "tls:")})
-        store = build_store(config.storage)
-        assert isinstance(store, RedisFrontedStore)
-        await store.open()
+    (no SQL), a completion announced to another replica."""
+    a = await opened(clean_pg, tls_redis.url, "tls:")
+    b = await opened(clean_pg, tls_redis.url, "tls:")
+    for store in (a, b):
         store.announce_completions(True)
-        stores.append(store)
-    a, b, unverified = stores
     ok = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
     try:
         loop = asyncio.get_running_loop()
@@ -829,10 +832,85 @@ async def test_a_redis_over_tls_serves_locks_replays_and_notifications(tls_redis
             await asyncio.wait_for(changed, 5)  # announced over TLS
         replay = await b.claim("t", "k", fp, lease=30, ttl=60)
         assert replay.record.response == ok and b.durable.statements == statements  # from Redis's copy
-        assert not unverified.notifications_live()
-        other = await unverified.claim("t", "other", fp, lease=30, ttl=60)
-        # Redis failed (the certificate not verified): PostgreSQL decided, without anything read from Redis
-        assert other.owned and other.cache_epoch == redis_store.UNKNOWN_EPOCH
     finally:
-        for store in stores:
+        for store in (a, b):
             await store.close()
+
+
+async def test_a_url_naming_a_file_that_cannot_be_read_is_refused_at_start(
+    tls_redis: RedisServer, clean_pg: str
+) -> None:
+    """A file the url names (here the authority, ssl_ca_certs) that this process cannot read fails every
+    connection, and no wait mends it: the store refuses to open, naming storage.redis.url and the file, as a
+    PostgreSQL dsn's missing certificate does. Opened regardless, it ran without the fast path for good, behind one
+    warning at its first claim."""
+    url = f"{tls_redis.url.partition('?')[0]}?ssl_ca_certs=/nonexistent/ca.pem"
+    with pytest.raises(StoreUnavailable, match=r"storage\.redis\.url names a file this process cannot read: "
+                                              r"ssl_ca_certs=/nonexistent/ca\.pem"):
+        await opened(clean_pg, url, "tls:")
+
+
+async def test_a_tls_redis_the_url_cannot_verify_is_said_at_start_and_postgresql_decides(
+    tls_redis: RedisServer, clean_pg: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No authority named (the system's do not know the server's): an error at start naming storage.redis.url and
+    the reason, and then the proxy serves, PostgreSQL alone deciding. Not a refusal to start: a certificate that
+    does not verify may be the server's doing (expired, not yet valid, a new authority), and losing Redis costs
+    latency, never service."""
+    with caplog.at_level(logging.WARNING, "idemproxy.store.redis"):
+        store = await opened(clean_pg, tls_redis.url.partition("?")[0], "tls:")
+    try:
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(said) == 1 and "check storage.redis.url" in said[0]
+        assert f"Redis at 127.0.0.1:{tls_redis.port} presented a certificate that does not verify" in said[0]
+        claim = await store.claim("t", "k", "f" * 64, lease=30, ttl=60)
+        assert claim.owned and claim.cache_epoch == redis_store.UNKNOWN_EPOCH  # PostgreSQL decided
+        assert not store.notifications_live()
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("credentials", ["none", "wrong-password"])
+async def test_a_redis_that_refuses_the_urls_credentials_is_said_at_start_naming_the_url(
+    running_redis: RedisServer, clean_pg: str, credentials: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis that answers and refuses the url's credentials: an error at start naming storage.redis.url (never
+    the password), where it used to show only as a warning at the first claim. The proxy serves on PostgreSQL
+    alone: the password may have been rotated on the server first."""
+    with sync_redis.Redis.from_url(running_redis.url) as admin:
+        admin.config_set("requirepass", "the-right-one")
+    try:
+        user = "" if credentials == "none" else ":not-the-right-one@"
+        with caplog.at_level(logging.WARNING, "idemproxy.store.redis"):
+            store = await opened(clean_pg, f"redis://{user}127.0.0.1:{running_redis.port}/0", "auth:")
+        try:
+            said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(said) == 1
+            assert f"Redis at 127.0.0.1:{running_redis.port} refused the credentials storage.redis.url gives" in said[0]
+            assert "not-the-right-one" not in caplog.text
+            claim = await store.claim("t", "k", "f" * 64, lease=30, ttl=60)
+            assert claim.owned and claim.cache_epoch == redis_store.UNKNOWN_EPOCH  # PostgreSQL decided
+        finally:
+            await store.close()
+        caplog.clear()
+        store = await opened(clean_pg, f"redis://:the-right-one@127.0.0.1:{running_redis.port}/0", "auth:")
+        await store.close()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        with sync_redis.Redis.from_url(f"redis://:the-right-one@127.0.0.1:{running_redis.port}/0") as admin:
+            admin.config_set("requirepass", "")
+
+
+async def test_a_redis_not_reachable_at_start_costs_only_the_fast_path(
+    clean_pg: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Down at start is not a configuration error: the store opens, says so, and PostgreSQL alone decides."""
+    port = free_port()
+    with caplog.at_level(logging.WARNING, "idemproxy.store.redis"):
+        store = await opened(clean_pg, f"redis://127.0.0.1:{port}/0", "down:")
+    try:
+        assert f"Redis at 127.0.0.1:{port} is not reachable at start" in caplog.text
+        claim = await store.claim("t", "k", "f" * 64, lease=30, ttl=60)
+        assert claim.owned and claim.cache_epoch == redis_store.UNKNOWN_EPOCH  # PostgreSQL decided
+    finally:
+        await store.close()

@@ -4,6 +4,7 @@ across nodes, and a master killed mid-run (the proxy keeps answering from Postgr
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -268,6 +269,27 @@ async def test_a_cluster_that_requires_a_password_carries_completions(
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_cluster_that_refuses_the_urls_password_is_said_at_start(
+    guarded_cluster: RedisClusterServers, clean_pg: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wrong password: an error at start naming storage.redis.url (not the password) and the node that refused,
+    a node of the url that is down passed over for the next; the store serves on PostgreSQL alone."""
+    masters = guarded_cluster.masters()
+    down = next(port for port in guarded_cluster.procs if port not in masters)
+    guarded_cluster.kill(down)
+    url = f"redis://:wrong-pw@127.0.0.1:{down},127.0.0.1:{masters[0]}/0"
+    with caplog.at_level(logging.WARNING, "idemproxy.store.redis"):
+        store = await open_store(guarded_cluster, clean_pg, url)
+    try:
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(said) == 1 and "wrong-pw" not in caplog.text
+        assert f"Redis at 127.0.0.1:{masters[0]} refused the credentials storage.redis.url gives" in said[0]
+        claim = await store.claim("t", "pw", FP, lease=30, ttl=60)
+        assert claim.owned  # PostgreSQL decided
+    finally:
+        await store.close()
 
 
 async def test_the_store_learns_the_cluster_from_any_node_its_url_names(

@@ -26,7 +26,9 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import re
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +38,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from idemproxy.config import RedisConfig, cluster_nodes
 from idemproxy.metrics import Metrics
@@ -189,6 +191,45 @@ _CLUSTER_OPTIONS = frozenset(inspect.signature(RedisCluster.__init__).parameters
     *(inspect.signature(init).parameters for init in (
         aioredis.connection.AbstractConnection.__init__, aioredis.Connection.__init__,
         aioredis.SSLConnection.__init__, aioredis.ConnectionPool.__init__)))
+
+
+START_CHECK_TIMEOUT = 2.0  # seconds for the PING at start, every node the url names included (cluster_nodes)
+
+
+# The url's options that name files redis-py reads to connect (TLS): one that cannot be read fails every connection.
+_URL_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+
+
+def _unreadable_files(url: str) -> list[str]:
+    """The files (or, for ssl_ca_path, the directory) ``url``'s options name that this process cannot read."""
+    named = [(option, value) for option, value in parse_qsl(urlsplit(url).query) if option in _URL_FILES]
+    return [f"{option}={value}" for option, value in named
+            if not (os.path.isdir(value) if option == "ssl_ca_path" else os.path.isfile(value))
+            or not os.access(value, os.R_OK)]
+
+
+def _refused(exc: BaseException) -> str | None:
+    """What a Redis that answered said against the url, when a PING failed so (None: not reached, or not that):
+    credentials refused, or a certificate that does not verify. Either may be the server's doing (a password
+    rotated there first, a certificate expired or not yet valid), so it is said loudly, and the proxy serves on."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # (redis-py wraps the OS's error once or twice)
+        if seen is None:
+            return None
+        if isinstance(seen, AuthenticationError):
+            return "refused the credentials storage.redis.url gives"
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return f"presented a certificate that does not verify ({seen.verify_message})"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _node_of(url: str) -> str:
+    """``Redis at host:port`` (or at its socket's path), never the credentials, for messages."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"Redis at {parts.path}"
+    return f"Redis at {parts.hostname or 'localhost'}:{parts.port or 6379}"
 
 
 def at_node(url: str, host: str, port: int) -> str:
@@ -399,7 +440,56 @@ class RedisFrontedStore(Store):
 
     async def open(self) -> None:
         await self.durable.open()
+        try:
+            await self._ask_at_start()
+        except BaseException:
+            await self.durable.close()
+            raise
         self._subscriber = asyncio.create_task(self._subscribe(), name="idemproxy-redis-subscriber")
+
+    async def _ask_at_start(self) -> None:
+        """Check the url before serving. A file its options name (ssl_ca_certs, ssl_certfile, ssl_keyfile,
+        ssl_ca_path) that this process cannot read fails every connection, and no wait mends it: refused at start,
+        naming storage.redis.url, as a PostgreSQL dsn's is. Then one PING with the url's credentials and TLS, at each
+        node the url names until one answers (2 s in all). A Redis that answers and refuses the credentials, or a
+        certificate that does not verify, is said at once as an error naming storage.redis.url, where it used to
+        show only as a warning at the first claim; the proxy still serves, PostgreSQL alone deciding, as for a Redis
+        not reached: both can be the server's doing (a password rotated there first, a certificate expired, a
+        network policy), and losing Redis costs latency, never service."""
+        url = self.config.url.reveal()
+        unreadable = _unreadable_files(url)
+        if unreadable:
+            raise StoreUnavailable(f"storage.redis.url names a file this process cannot read: {', '.join(unreadable)} "
+                                   "(check storage.redis.url)", maybe_applied=False)
+        urls = [url]
+        if self.config.cluster:  # (a plain client to each node: the cluster client's own options left out)
+            first, others = cluster_nodes(url)
+            head = urlsplit(first)
+            urls = [at_node(url, host, port) for host, port in [(head.hostname or "localhost", head.port or 6379),
+                                                                   *others]]
+        failures: list[tuple[str, BaseException]] = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(START_CHECK_TIMEOUT):
+                for node in urls:
+                    client = aioredis.Redis.from_url(node, socket_timeout=SOCKET_TIMEOUT,
+                                                     socket_connect_timeout=SOCKET_TIMEOUT, retry=Retry(NoBackoff(), 0))
+                    try:
+                        await client.ping()
+                        return
+                    except Exception as exc:
+                        failures.append((node, exc))
+                    finally:
+                        with contextlib.suppress(Exception):
+                            await client.aclose()
+        for node, failure in failures:
+            said = _refused(failure)
+            if said is not None:
+                log.error("%s %s: %s (%s; check storage.redis.url); serving from %s alone until it answers",
+                          _node_of(node), said, failure, type(failure).__name__, self.durable.backend)
+                return
+        node, failure = failures[0] if failures else (urls[0], TimeoutError())
+        log.warning("%s is not reachable at start (%s); serving from %s alone until it answers",
+                    _node_of(node), type(failure).__name__, self.durable.backend)
 
     async def close(self, timeout: float | None = None) -> None:
         self._closing.set()
