@@ -287,12 +287,19 @@ def own_pg() -> Iterator[PostgresServer]:
 @pytest.fixture
 def own_pg_dsn(own_pg: PostgresServer) -> Iterator[str]:
     """A fresh database on the stoppable PostgreSQL; the server is running again when the test ends."""
+    with database_on(own_pg, "idemproxy_fault") as dsn:
+        yield dsn
+
+
+@contextlib.contextmanager
+def database_on(server: PostgresServer, prefix: str) -> Iterator[str]:
+    """A fresh database on ``server``, which a test may stop: it is running again before the database is dropped."""
 
     def restart() -> None:
-        if not own_pg.running():
-            own_pg.start()
+        if not server.running():
+            server.start()
 
-    with scratch_database(own_pg.admin_dsn, "idemproxy_fault", before_drop=restart) as dsn:
+    with scratch_database(server.admin_dsn, prefix, before_drop=restart) as dsn:
         yield dsn
 
 

@@ -33,7 +33,7 @@ from idemproxy.problems import StoreUnavailable
 from idemproxy.store.embedded import EmbeddedStore
 from idemproxy.store.postgres import MAINTAIN_LOCK, MIGRATION_LOCK, PostgresStore, _count_at_most, migration_connection
 from idemproxy.store.redis import LOCK_MAX, YOUNG_LOCK, RedisFrontedStore
-from tests.conftest import ProxyFactory, RunningProxy, _admin_sql, empty_records, scratch_database
+from tests.conftest import ProxyFactory, RunningProxy, _admin_sql, database_on, empty_records
 from tests.netns import drop, private_network
 from tests.relay import Relay
 from tests.servers import NoTlsServer, PostgresServer, RedisServer, make_tls_files
@@ -1215,7 +1215,7 @@ def tls_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]
 
 @pytest.fixture
 def tls_pg_dsn(tls_pg: PostgresServer) -> Iterator[str]:
-    with scratch_database(tls_pg.admin_dsn, "idemproxy_tls") as dsn:
+    with database_on(tls_pg, "idemproxy_tls") as dsn:
         yield dsn
 
 

@@ -29,6 +29,7 @@ from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
 from tests.servers import NoTlsServer, RedisServer, free_port, make_tls_files
 from tests.test_faults import durable, redis_round_trips
+from tests.test_redis_cluster import hearing
 from tests.test_settle import until
 from tests.upstream import RecordingUpstream
 
@@ -814,11 +815,7 @@ async def test_a_redis_over_tls_serves_locks_replays_and_notifications(tls_redis
         store.announce_completions(True)
     ok = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while not (a.notifications_live() and b.notifications_live()) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        assert a.notifications_live() and b.notifications_live()
+        await hearing(a, b)
         fp = "f" * 64
         owner = await a.claim("t", "k", fp, lease=30, ttl=60)
         assert owner.owned and owner.cache_lock and owner.cache_epoch != redis_store.UNKNOWN_EPOCH  # Redis answered

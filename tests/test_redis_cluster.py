@@ -67,11 +67,11 @@ async def open_store(cluster: RedisClusterServers, pg_dsn: str, url: str = "") -
 
 
 async def hearing(*stores: RedisFrontedStore, within: float = 10) -> None:
-    """Until every store's subscriber has heard the cluster (its notifications are live)."""
+    """Until every store's subscriber has heard its Redis (its notifications are live)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while not all(store.notifications_live() for store in stores):
-        assert loop.time() < deadline, "a subscriber never heard the cluster"
+        assert loop.time() < deadline, "a subscriber never heard Redis"
         await asyncio.sleep(0.05)
 
 

@@ -46,7 +46,7 @@ import redis as sync_redis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from tests.conftest import scratch_database
+from tests.conftest import database_on
 from tests.proxyproc import ProxyProcess
 from tests.relay import Relay
 from tests.servers import NoTlsServer, PostgresServer, RedisClusterServers, RedisServer, make_tls_files
@@ -590,14 +590,9 @@ def storm_pg(request: pytest.FixtureRequest, storm_tls: Path | None) -> Iterator
         pg = PostgresServer(tls=storm_tls)
     except NoTlsServer as exc:
         pytest.skip(str(exc))
-
-    def running_again() -> None:
-        if not pg.running():
-            pg.start()
-
     try:
         pg.start()
-        with scratch_database(pg.admin_dsn, "idemproxy_storm", before_drop=running_again) as dsn:
+        with database_on(pg, "idemproxy_storm") as dsn:
             yield pg, dsn
     finally:
         pg.destroy()

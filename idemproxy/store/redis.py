@@ -41,7 +41,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from idemproxy.config import RedisConfig, cluster_nodes
+from idemproxy.config import REDIS_PORT, RedisConfig, cluster_nodes
 from idemproxy.metrics import Metrics
 from idemproxy.problems import StoreUnavailable
 from idemproxy.store.base import (
@@ -229,7 +229,7 @@ def _node_of(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme == "unix":
         return f"Redis at {parts.path}"
-    return f"Redis at {parts.hostname or 'localhost'}:{parts.port or 6379}"
+    return f"Redis at {parts.hostname or 'localhost'}:{parts.port or REDIS_PORT}"
 
 
 def at_node(url: str, host: str, port: int) -> str:
@@ -465,7 +465,7 @@ class RedisFrontedStore(Store):
         if self.config.cluster:  # (a plain client to each node: the cluster client's own options left out)
             first, others = cluster_nodes(url)
             head = urlsplit(first)
-            urls = [at_node(url, host, port) for host, port in [(head.hostname or "localhost", head.port or 6379),
+            urls = [at_node(url, host, port) for host, port in [(head.hostname or "localhost", head.port or REDIS_PORT),
                                                                    *others]]
         failures: list[tuple[str, BaseException]] = []
         with contextlib.suppress(TimeoutError):
