@@ -10,6 +10,7 @@ relay's loop has done the work (bounded waits):
                  one as soon as it is accepted: a network partition as the peers see it (EOF / reset).
 - ``stall()``    keeps connections open but forwards nothing, and accepts new ones without connecting them
                  to the target: a black hole, for timeouts. ``restore()`` lets the held bytes flow again.
+                 ``held`` counts the clients' reads it held back (a client's write that never reached the target).
 - ``linger()``   bytes flow both ways, but a target that closes its end (a server ending the session after
                  its last word, a FATAL) is not seen to close by the client until ``restore()``: the client
                  has read the server's goodbye while its socket still looks open.
@@ -70,6 +71,7 @@ class Relay:
         self.accepted = 0  # connections accepted while forwarding (counted in the relay's loop)
         self.refused = 0  # connections accepted and closed at once while cut
         self.stranded = 0  # connections left open and silent by strand()
+        self.held = 0  # reads from a client held back by stall() (the bytes a client wrote into the black hole)
         self._mode = "open"  # open | cut | stalled | muted | lingering
         self._links: set[_Link] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -282,6 +284,8 @@ class Relay:
         assert self._flowing is not None and self._answering is not None and self._closes is not None
         try:
             while data := await reader.read(CHUNK):
+                if not answers and not self._flowing.is_set():
+                    self.held += 1
                 await self._flowing.wait()
                 if answers:
                     await self._answering.wait()

@@ -19,6 +19,7 @@ import termios
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -1137,6 +1138,34 @@ async def test_a_completion_is_announced_only_when_a_route_waits(
 # ------------------------------------------------- the server ends pooled sessions: nothing sent, nothing failed
 
 
+@dataclass
+class Layout:
+    """PostgreSQL alone or behind Redis, on daily partitions or one table: a record's database, and the proxy's
+    storage section for it (``section(dsn)``: the same database, reached at ``dsn``, a relay's, say)."""
+
+    dsn: str
+    partitions: str
+    redis: dict[str, str] | None
+
+    def section(self, dsn: str, **postgres: Any) -> dict[str, Any]:
+        section = pg_section(dsn)
+        section["postgres"].update(partitions=self.partitions, **postgres)
+        if self.redis is not None:
+            section["redis"] = self.redis
+        return section
+
+
+@pytest.fixture(params=[("postgres", "daily"), ("postgres", "none"), ("redis", "daily"), ("redis", "none")],
+                ids="-".join)
+async def layout(
+    request: pytest.FixtureRequest, clean_pg: str, pg_one_table_dsn: str, redis_url: str, redis_prefix: str
+) -> Layout:
+    backend, partitions = request.param
+    return Layout(dsn=clean_pg if partitions == "daily" else await empty_records(pg_one_table_dsn),
+                  partitions=partitions,
+                  redis={"url": redis_url, "key_prefix": redis_prefix} if backend == "redis" else None)
+
+
 async def end_sessions(dsn: str) -> int:
     """pg_terminate_backend of every other session on ``dsn``'s database (idle pooled connections, LISTEN): what
     an operator, a failover script or a pooler recycling connections does. Returns how many were ended."""
@@ -1149,24 +1178,17 @@ async def end_sessions(dsn: str) -> int:
         await conn.close()
 
 
-@pytest.mark.parametrize("backend", ["postgres", "redis"])
-@pytest.mark.parametrize("partitions", ["daily", "none"])
 async def test_pooled_connections_the_server_ended_while_idle_fail_no_request(
-    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, pg_one_table_dsn: str, redis_url: str,
-    redis_prefix: str, backend: str, partitions: str,
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, layout: Layout
 ) -> None:
     """The server ends the pool's idle sessions (pg_terminate_backend, idle_session_timeout, a restart); the driver
     has read the server's goodbye but not yet seen the socket close. Such a connection refuses a statement before
     sending any of it: the operation runs on another connection, and the next requests (the claims, batched or
     one statement each, and the completions) are served, not answered 503 (audit: one 503 per ended session)."""
-    dsn = clean_pg if partitions == "daily" else await empty_records(pg_one_table_dsn)
+    dsn = layout.dsn
     parts = urlsplit(dsn)
     with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
-        section = pg_section(via(relay, dsn))
-        section["postgres"]["partitions"] = partitions
-        if backend == "redis":
-            section["redis"] = {"url": redis_url, "key_prefix": redis_prefix}
-        proxy = await make_proxy(storage_section=section)
+        proxy = await make_proxy(storage_section=layout.section(via(relay, dsn)))
         for round_ in range(2):  # several pooled connections, some kept aside by batches
             answers = await asyncio.gather(*(proxy.post("/v1/charges", key=f"warm-{round_}-{n}", body=CHARGE)
                                              for n in range(6)))
@@ -1197,6 +1219,182 @@ async def test_pooled_connections_the_server_ended_while_idle_fail_no_request(
     assert store_errors(proxy, "claim") == 0 and store_errors(proxy, "complete") == 0
     for key in [f"after-{n}" for n in range(3)] + [f"after-many-{n}" for n in range(6)] + ["mid"]:
         assert upstream.count(key=key) == 1
+
+
+async def test_requests_racing_the_server_ending_every_session_are_each_served_and_executed_once(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, layout: Layout
+) -> None:
+    """Rounds of concurrent first requests, each round sent as the server ends every session of the database
+    (pg_terminate_backend: a failover, an operator, a pooler recycling its connections). A statement written just
+    before its session's goodbye may have landed with its reply lost, and a connection the pool was opening may be
+    ended under it. Each was a 503 (162 of 240 requests in one run, before claims were asked again with their
+    token); now every request is served, and executed once."""
+    dsn = layout.dsn
+    proxy = await make_proxy(storage_section=layout.section(dsn))
+    keys = [[f"race-{round_}-{n}" for n in range(6)] for round_ in range(40)]
+    ended = 0
+    for round_keys in keys:
+        ending = asyncio.ensure_future(end_sessions(dsn))
+        answers = await asyncio.gather(*(proxy.post("/v1/charges", key=key, body=CHARGE) for key in round_keys))
+        ended += await ending  # (none, at times: every session was being opened again as it looked)
+        assert [(resp.status, resp.headers.get("Idempotent-Replayed")) for resp, _ in answers] == [(201, "false")] * 6
+    assert ended >= len(keys)
+    assert all(upstream.count(key=key) == 1 for round_keys in keys for key in round_keys)
+    replay, _ = await proxy.post("/v1/charges", key=keys[-1][-1], body=CHARGE)
+    assert replay.status == 201 and replay.headers["Idempotent-Replayed"] == "true"
+
+
+@pytest.mark.parametrize("partitions", ["daily", "none"])
+async def test_a_claim_the_server_refused_is_not_asked_again(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, pg_one_table_dsn: str, partitions: str
+) -> None:
+    """A claim PostgreSQL answered with an error (here read-only, as a primary demoted by a failover answers) rolled
+    back: it is a 503 after that one statement, not asked again on new connections that would fail the same way."""
+    dsn = clean_pg if partitions == "daily" else await empty_records(pg_one_table_dsn)
+    section = pg_section(dsn)
+    section["postgres"]["partitions"] = partitions
+    proxy = await make_proxy(storage_section=section)
+    assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+    admin = await asyncpg.connect(dsn)
+    try:
+        await admin.execute("""
+            CREATE FUNCTION idemproxy_test_refuse() RETURNS trigger LANGUAGE plpgsql AS
+                $$ BEGIN RAISE EXCEPTION 'read-only transaction' USING ERRCODE = '25006'; END $$;
+            CREATE TRIGGER idemproxy_test_refuse BEFORE INSERT ON idemproxy_records
+                FOR EACH ROW EXECUTE FUNCTION idemproxy_test_refuse();""")
+        resp, body = await proxy.post("/v1/charges", key="refused", body=CHARGE)
+        assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable"
+        assert store_errors(proxy, "claim") == 1  # (each ask of a claim is timed and counted)
+        await admin.execute("DROP TRIGGER idemproxy_test_refuse ON idemproxy_records")
+    finally:
+        await admin.close()
+    assert upstream.count(key="refused") == 0
+    resp, _ = await proxy.post("/v1/charges", key="refused", body=CHARGE)
+    assert resp.status == 201 and upstream.count(key="refused") == 1
+
+
+async def in_flight(dsn: str, key: str) -> bool:
+    """Whether ``key``'s record stands in flight, as PostgreSQL itself has it committed."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return await _in_flight(conn, key)
+    finally:
+        await conn.close()
+
+
+async def _in_flight(conn: asyncpg.Connection, key: str) -> bool:
+    return bool(await conn.fetchval(
+        "SELECT count(*) FROM idemproxy_records WHERE key = $1 AND state = 'in_flight'", key))
+
+
+async def until_in_flight(direct: asyncpg.Connection, key: str) -> None:
+    """Until ``key``'s record stands in flight, committed, looked for often on a connection already open: a claim
+    whose connection is then cut is asked again only when that comes within 0.25 s of its call."""
+    async with asyncio.timeout(5):
+        while not await _in_flight(direct, key):
+            await asyncio.sleep(0.002)
+
+
+@pytest.mark.parametrize("lost", ["reply", "statement"])
+async def test_a_claim_cut_off_after_it_was_written_is_asked_again_with_its_token_and_served(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, layout: Layout, lost: str
+) -> None:
+    """A claim's connection is cut once its statement was written: it may have landed, its reply lost (``reply``:
+    PostgreSQL committed it), or not (``statement``: the bytes never reached the server). It was a 503, the claim
+    released behind it. Now it is asked again with the same token, on another connection: a record in flight under
+    its own token is its own, so the request is forwarded once, answered as executed, and stored."""
+    dsn = layout.dsn
+    parts = urlsplit(dsn)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        # (one pooled connection, whose statements the first requests prepared: a prepare held by the relay would
+        # hold the claim before it ran)
+        proxy = await make_proxy(storage_section=layout.section(via(relay, dsn), pool_max=1))
+        for n in range(2):  # (one at a time: a claim alone is a statement of its own, a batch's another)
+            assert (await proxy.post("/v1/charges", key=f"warm-{n}", body=CHARGE))[0].status == 201
+        if lost == "reply":
+            relay.mute()  # statements reach PostgreSQL, their replies are held
+        else:
+            relay.stall()  # nothing reaches it
+        held = relay.held
+        direct = await asyncpg.connect(dsn)
+        try:
+            pending = asyncio.ensure_future(proxy.post("/v1/charges", key="cut-off", body=CHARGE))
+            if lost == "reply":
+                await until_in_flight(direct, "cut-off")  # committed, its reply held
+            else:
+                async with asyncio.timeout(5):  # written, held in the black hole
+                    while relay.held == held:
+                        await asyncio.sleep(0.002)
+        finally:
+            await direct.close()
+        relay.cut()
+        relay.restore()
+        resp, body = await pending
+        assert resp.status == 201 and resp.headers["Idempotent-Replayed"] == "false", (resp.status, body)
+        assert upstream.count(key="cut-off") == 1
+        again, again_body = await proxy.post("/v1/charges", key="cut-off", body=CHARGE)
+        assert again.status == 201 and again.headers["Idempotent-Replayed"] == "true" and again_body == body
+    assert upstream.count(key="cut-off") == 1
+    assert store_errors(proxy, "claim") == 1  # the try cut off, counted; the one asked again answered
+    assert proxy.proxy.metrics.registry.get_sample_value("idemproxy_lease_takeovers_total") == 0
+
+
+async def test_a_claim_cut_off_too_late_for_the_server_to_give_up_on_a_second_ask_first_is_not_asked_again(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str, pg_one_table_dsn: str
+) -> None:
+    """A second ask must end on the server (its statement timeout, 4.5 s after it arrives) before its claim's 5 s
+    do: one still queued on a lock when its caller was told 503 could land after the release behind it and hold the
+    key in flight for the lease. So a claim cut off later than 0.25 s after its call is a 503, not asked again."""
+    dsn = await empty_records(pg_one_table_dsn)
+    parts = urlsplit(dsn)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        section = pg_section(via(relay, dsn))
+        section["postgres"].update(partitions="none", pool_max=1)
+        proxy = await make_proxy(storage_section=section)
+        assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+        relay.stall()
+        held = relay.held
+        pending = asyncio.ensure_future(proxy.post("/v1/charges", key="late", body=CHARGE))
+        await until(lambda: relay.held > held, timeout=5)
+        await asyncio.sleep(0.5)  # (time passing is the point: the cut comes 0.5 s into the claim)
+        relay.cut()
+        relay.restore()
+        resp, body = await pending
+        assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable", (resp.status, body)
+        await proxy.proxy.engine.settler.flush(5, 1)  # the release behind the 503, while the relay still stands
+    assert store_errors(proxy, "claim") == 1 and upstream.count(key="late") == 0
+
+
+async def test_a_claim_cut_off_whose_second_ask_finds_no_server_is_a_503_and_released_behind_it(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
+) -> None:
+    """The claim landed, its reply lost, and the second ask cannot reach the server (refused, nothing sent): the
+    first try still stands in flight, so the request is a 503 and its claim is released in the background once the
+    server is back. The key is not held in flight for the lease: the client's retry is executed, once."""
+    parts = urlsplit(clean_pg)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        section = pg_section(via(relay, clean_pg))
+        section["postgres"]["pool_max"] = 1  # (its statements prepared by the first request: see above)
+        proxy = await make_proxy(storage_section=section, idempotency={"lease": "60s"})
+        assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+        relay.mute()
+        direct = await asyncpg.connect(clean_pg)
+        try:
+            pending = asyncio.ensure_future(proxy.post("/v1/charges", key="cut-off", body=CHARGE))
+            await until_in_flight(direct, "cut-off")
+        finally:
+            await direct.close()
+        relay.cut()  # and it stays cut: the second ask is refused
+        resp, body = await pending
+        assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable", (resp.status, body)
+        relay.restore()
+
+        async def released() -> bool:
+            return not await in_flight(clean_pg, "cut-off")
+        await until_async(released, timeout=10)
+        retry, _ = await proxy.post("/v1/charges", key="cut-off", body=CHARGE)
+        assert retry.status == 201 and retry.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="cut-off") == 1
 
 
 @pytest.fixture(scope="module")

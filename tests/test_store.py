@@ -151,6 +151,28 @@ async def test_a_lapsed_lease_is_given_a_grace_in_which_its_owner_still_complete
     assert not await store.complete(gone, OK, ttl=60)
 
 
+async def test_a_claim_asked_again_with_its_token_finds_its_own_record_while_its_lease_lives(store: Store) -> None:
+    """PostgreSQL asks a claim again, with its token, when its first try may have landed with its reply lost: a
+    record in flight under that token is the claim's own, with the lease the first try started; one whose lease ran
+    out is not (it is given its grace, as for any claim), and nor is one another claim holds."""
+    if store.backend == "embedded":
+        pytest.skip("only a store across a network asks a claim again")
+    token = new_token()
+    first = await store.claim("t", "again", FP, lease=30, ttl=60, token=token)
+    again = await store.claim("t", "again", FP, lease=30, ttl=60, token=token)
+    assert first.owned and again.owned and again.token == token and not again.took_over
+    assert again.record.lease_expires_at == first.record.lease_expires_at
+    assert again.lease_end() <= first.lease_end() + 0.05
+    assert not (await store.claim("t", "again", FP, lease=30, ttl=60)).owned  # another claim's token
+    assert await store.complete(again, OK, ttl=60)
+    done = await store.claim("t", "again", FP, lease=30, ttl=60, token=token)
+    assert not done.owned and done.record.response == OK
+    lapsed = await store.claim("t", "lapsed", FP, lease=0.2, ttl=60, token=token)
+    await until(lapsed.record.lease_expires_at or 0)
+    late = await store.claim("t", "lapsed", FP, lease=30, ttl=60, token=token)
+    assert not late.owned and late.grace and late.record.lease_token == token
+
+
 async def test_takeover_needs_the_same_fingerprint(store: Store) -> None:
     owner = await store.claim("t", "k", FP, lease=0.2, ttl=60)
     await until(owner.record.lease_expires_at or 0)

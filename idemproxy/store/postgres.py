@@ -504,6 +504,18 @@ EXPIRE_INTERVAL = OPERATION_TIMEOUT
 # (STATEMENT_TIMEOUT, and a margin for the answer's way back): a claim that ran out of its time sooner (it waited
 # for a pooled connection first) tells nothing of the server.
 SILENT_AFTER = STATEMENT_TIMEOUT + 0.25
+# A claim whose connection was lost once its statement was written (cut, or ended by the server: its goodbye read
+# after the write) may have landed, its reply lost. It is asked again with the same token (PostgresStore._claim_again)
+# while this much of its OPERATION_TIMEOUT is left: the server gives up on the new statement (STATEMENT_TIMEOUT after
+# it arrives) before the claim's caller does, as on the first, so none lands after its caller was told it failed and
+# had it released. In practice: a connection lost within 0.25 s of the call, which is how a cut or a goodbye fails.
+CLAIM_AGAIN_WITHIN = SILENT_AFTER
+# Those losses: the connection's end as the driver or the OS tells it, or the server's own goodbye (57P01 an operator
+# or a failover, 57P02 a crash, 57P05 idle_session_timeout). Not a timeout, and not an error the server answered with
+# (read-only after a demotion, a permission, a statement timeout): the statement is then known to have rolled back,
+# and asking again on a new connection would only fail the same way.
+_LOST = (asyncpg.PostgresConnectionError, asyncpg.AdminShutdownError, asyncpg.CrashShutdownError,
+         asyncpg.IdleSessionTimeoutError, ConnectionError)
 # Unacknowledged data ends a connection after this long (base.keep_alive): past the driver's own timeout, so a
 # statement with no answer is still told by that (PostgresStore._silent), and the kernel ends what it leaves.
 USER_TIMEOUT = OPERATION_TIMEOUT + 1
@@ -593,6 +605,20 @@ def _record(row: Any, codec: Codec) -> Record:
         completed_at=_epoch(row["completed_at"]),
         expires_at=row["expires_at"].timestamp(),
     )
+
+
+def _own(row: Any, token: str) -> bool:
+    """Whether the record a claim met is its own: in flight under its token, its lease alive (not in a grace
+    another claim gave it). Only a claim asked again can meet one (PostgresStore.claim): its first try landed, its
+    reply lost. Tokens are unique to a claim, and a record keeps its token until completed, released or replaced."""
+    return bool(row["state"] == State.IN_FLIGHT.value and row["lease_token"] == token
+                and row["claim_kind"] != "grace" and row["lease_expires_at"] > row["db_now"])
+
+
+class _EndedInSetUp(Exception):
+    """The server ended a connection the pool had opened, during its set-up (``_init_connection``): an operator or a
+    failover ending every session as it came. (One that closes before the set-up, as a TCP front with no server
+    behind it does, is not one: that is a failure to connect, and a 503.)"""
 
 
 class _Unsent(StoreUnavailable):
@@ -937,7 +963,12 @@ class PostgresStore(Store):
         keep_alive(conn._transport, USER_TIMEOUT)  # (asyncpg has no option for it, nor a public transport)
         # A SET, not a startup parameter: connection poolers refuse startup parameters they do not know. A
         # stricter timeout the operator set (on the role, the database, the DSN's options) is kept.
-        await conn.execute(_SESSION_SQL)
+        try:
+            await conn.execute(_SESSION_SQL)
+        except Exception as exc:
+            if isinstance(exc, asyncpg.ConnectionDoesNotExistError) or _unsent(exc):
+                raise _EndedInSetUp() from exc  # (the server is there: it ended this session as it began)
+            raise
         conn.add_query_logger(self._count_statement)
 
     def _count_statement(self, _query: Any) -> None:
@@ -1140,6 +1171,10 @@ class PostgresStore(Store):
                 if not spare and self._spares and self._pool_exhausted():
                     self._return_spares(float("inf"))  # the pool is empty: what batches left aside is ours first
                 conn = await self._pool.acquire(timeout=wait)
+            except _EndedInSetUp as exc:  # nothing of the operation was sent: another connection may take it
+                log.info("postgres %s: a connection the server ended as the pool set it up was discarded (%s)",
+                         operation, exc.__cause__)
+                raise _Unsent() from exc
             except Exception as exc:
                 raise _unavailable(operation, exc, maybe_applied=False, quiet=self._opening_quietly(operation)) \
                     from exc
@@ -1298,16 +1333,20 @@ class PostgresStore(Store):
         token: str | None = None,
     ) -> Claim:
         token = token or new_token()
+        began = time.monotonic()
         try:
             row, written = await self._claim(tenant, key, fingerprint, token, lease, ttl)
         except StoreUnavailable as exc:
-            # `idemproxy migrate` converted the table under this running replica: ON CONFLICT (tenant, key) finds
-            # no unique index on the partitioned table. Learn the new layout and claim again, once.
-            if self.layout != "none" or not isinstance(exc.__cause__, asyncpg.InvalidColumnReferenceError):
+            if self.layout == "none" and isinstance(exc.__cause__, asyncpg.InvalidColumnReferenceError):
+                # `idemproxy migrate` converted the table under this running replica: ON CONFLICT (tenant, key)
+                # finds no unique index on the partitioned table. Learn the new layout and claim again, once.
+                await self._refresh_layout()
+                row, written = await self._claim(tenant, key, fingerprint, token, lease, ttl)
+            elif exc.maybe_applied and isinstance(exc.__cause__, _LOST):
+                row, written = await self._claim_again(tenant, key, fingerprint, token, lease, ttl, began, exc)
+            else:
                 raise
-            await self._refresh_layout()
-            row, written = await self._claim(tenant, key, fingerprint, token, lease, ttl)
-        owned = bool(row["owned"])
+        owned = bool(row["owned"]) or _own(row, token)
         return Claim(
             record=_record(row, self.codec),
             owned=owned,
@@ -1317,6 +1356,31 @@ class PostgresStore(Store):
             replaced_expired=owned and row["claim_kind"] == "expired",
             grace=not owned and row["state"] == "in_flight" and row["claim_kind"] == "grace",
         )
+
+    async def _claim_again(
+        self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float, began: float,
+        failed: StoreUnavailable,
+    ) -> _Claimed:
+        """A claim whose connection was lost once its statement was written (``failed``: cut, or ended by the server)
+        may have landed, its reply lost: it is asked again with the same token, on another connection, in what is
+        left of its OPERATION_TIMEOUT from ``began``, while that is CLAIM_AGAIN_WITHIN (a record in flight under its
+        token is its own: ``_own``). As ``_live`` tries again, at most ``pool_max`` times: a server that ended every
+        pooled connection may have ended the next one too. Each failure is raised as one that may have landed: the
+        first try may have, whatever came of the others, and its caller then releases it."""
+        for _ in range(self.config.pool_max):
+            left = began + OPERATION_TIMEOUT - time.monotonic()
+            if left < CLAIM_AGAIN_WITHIN:
+                break
+            log.info("postgres claim: asked again with its token (the try before may have landed)")
+            try:
+                return await self._claim_alone(tenant, key, fingerprint, token, lease, ttl, left)
+            except StoreUnavailable as again:
+                # nothing of it sent (no server to ask), or an answer (the statement rolled back): the earlier tries
+                # still may have landed
+                if not (again.maybe_applied and isinstance(again.__cause__, _LOST)):
+                    break
+                failed = again
+        raise failed
 
     async def _claim(
         self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float
@@ -1329,6 +1393,12 @@ class PostgresStore(Store):
                     if exc.sent and self._unanswered():  # (its batch may have waited for a connection all along)
                         await self._silent("claim")
                     raise _unavailable("claim", exc, maybe_applied=exc.sent) from exc
+        return await self._claim_alone(tenant, key, fingerprint, token, lease, ttl, OPERATION_TIMEOUT)
+
+    async def _claim_alone(
+        self, tenant: str, key: str, fingerprint: str, token: str, lease: float, ttl: float, budget: float
+    ) -> _Claimed:
+        """The claim in a statement of its own, within ``budget`` seconds."""
         statement = _P_CLAIM if self.layout == "daily" else _CLAIM
         sent = False  # (a claim still waiting for the pool when its time ran out was never sent)
         written = first = float("inf")  # when it was (monotonic), and first was
@@ -1336,7 +1406,7 @@ class PostgresStore(Store):
             try:
                 # the pool's wait and the statement share the 5 s: a claim that got the last connection late must
                 # not then wait a whole statement timeout more
-                async with asyncio.timeout(OPERATION_TIMEOUT):
+                async with asyncio.timeout(budget):
 
                     async def attempt(conn: Any) -> _Claimed:
                         nonlocal sent, written, first
