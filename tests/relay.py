@@ -17,6 +17,8 @@ relay's loop has done the work (bounded waits):
 - ``strand()``   every connection open now stops for good: held open, nothing forwarded either way, no close
                  passed on (the old server of a failover that went dark: no RST, no FIN); connections opened
                  afterwards are forwarded as usual (to the server that took over). ``restore()`` keeps them so.
+- ``end_next_at(n)`` ends the next connection accepted at its client's n-th read (a session the server ended as
+                 it was set up).
 - ``restore()``  back to forwarding.
 - ``close()``    closes everything and stops the thread.
 """
@@ -45,6 +47,8 @@ class _Link:
         self.client = client
         self.target: asyncio.StreamWriter | None = None
         self.stranded = asyncio.Event()  # set: this link forwards nothing more, ever (``Relay.strand``)
+        self.ends_at: int | None = None  # the client's read that ends this link (``Relay.end_next_at``)
+        self.reads = 0
 
     def abort(self) -> None:
         for writer in (self.client, self.target):
@@ -82,6 +86,8 @@ class Relay:
         self._closes: asyncio.Event | None = None  # clear while lingering: a target's end of file is held
         self._severed: asyncio.Event | None = None  # set by cut: stranded links end with the others
         self.lingering = 0  # targets that closed while lingering (their end of file held back from the client)
+        self.ended = 0  # connections ended by end_next_at
+        self._ends_at: int | None = None  # set by end_next_at: for the next connection accepted
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"relay-{name}", daemon=True)
         self._thread.start()
@@ -114,6 +120,12 @@ class Relay:
         """The connections open now go silent for good (both ways, sockets open, nothing sent, no close passed
         on); new ones are forwarded."""
         self._call(self._strand())
+
+    def end_next_at(self, read: int) -> None:
+        """The next connection accepted is ended (both sides reset) when its client's ``read``-th read comes, which
+        is not forwarded: with a PostgreSQL client not using TLS, 2 is the first statement after the start-up (a
+        pool's set-up of a new connection), as a server ending sessions as they come would end it."""
+        self._call(self._end_next_at(read))
 
     def linger(self) -> None:
         """Bytes go on flowing; a target's end of file is held back from its client (until ``restore``)."""
@@ -200,6 +212,9 @@ class Relay:
                 link.stranded.set()
                 self.stranded += 1
 
+    async def _end_next_at(self, read: int) -> None:
+        self._ends_at = read
+
     async def _mute(self) -> None:
         self._mode = "muted"
         assert self._answering is not None
@@ -252,6 +267,7 @@ class Relay:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = _Link(writer)
+        link.ends_at, self._ends_at = self._ends_at, None
         self._links.add(link)
         try:
             assert self._flowing is not None
@@ -284,8 +300,8 @@ class Relay:
         assert self._flowing is not None and self._answering is not None and self._closes is not None
         try:
             while data := await reader.read(CHUNK):
-                if not answers and not self._flowing.is_set():
-                    self.held += 1
+                if not answers and self._client_read(link):
+                    return
                 await self._flowing.wait()
                 if answers:
                     await self._answering.wait()
@@ -309,6 +325,18 @@ class Relay:
                 await self._forever()
                 return
             writer.transport.abort()  # a broken side ends the other direction too (its read sees EOF)
+
+    def _client_read(self, link: _Link) -> bool:
+        """Count a read from ``link``'s client; True: it ends the link here (``end_next_at``)."""
+        assert self._flowing is not None
+        link.reads += 1
+        if link.reads == link.ends_at:
+            self.ended += 1
+            link.abort()
+            return True
+        if not self._flowing.is_set():
+            self.held += 1
+        return False
 
     async def _forever(self) -> None:
         """A stranded link's pump: wait until the relay is cut or closed (which aborts both sockets)."""

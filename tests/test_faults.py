@@ -1221,6 +1221,28 @@ async def test_pooled_connections_the_server_ended_while_idle_fail_no_request(
         assert upstream.count(key=key) == 1
 
 
+async def test_a_connection_the_server_ends_as_the_pool_sets_it_up_fails_no_request(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_one_table_dsn: str
+) -> None:
+    """A server ending sessions as they come (an operator, a failover) may end one the pool has just opened,
+    during its set-up (the session's SET): nothing of the operation was sent, so it runs on another connection
+    (it was a 503). One table: each claim a statement of its own, so concurrent ones make the pool open more."""
+    dsn = await empty_records(pg_one_table_dsn)
+    parts = urlsplit(dsn)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        plain = via(relay, dsn) + ("&" if parts.query else "?") + "sslmode=disable"  # (the relay counts messages)
+        section = pg_section(plain)
+        section["postgres"]["partitions"] = "none"
+        proxy = await make_proxy(storage_section=section)
+        assert (await proxy.post("/v1/charges", key="warm", body=CHARGE))[0].status == 201
+        relay.end_next_at(2)  # the start-up, then the set-up's SET: ended there
+        answers = await asyncio.gather(*(proxy.post("/v1/charges", key=f"new-{n}", body=CHARGE) for n in range(6)))
+        assert [(resp.status, resp.headers.get("Idempotent-Replayed")) for resp, _ in answers] == [(201, "false")] * 6
+        assert relay.ended == 1
+    assert store_errors(proxy, "claim") == 0
+    assert all(upstream.count(key=f"new-{n}") == 1 for n in range(6))
+
+
 async def test_requests_racing_the_server_ending_every_session_are_each_served_and_executed_once(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, layout: Layout
 ) -> None:
