@@ -149,9 +149,42 @@ class Settler:
         finally:
             waiting.cancel()
 
-    def release_later(self, run: Operation, *, until: float) -> None:
+    def release_later(self, run: Operation, *, until: float) -> _Job:
         """Release in the background only (the store just failed: trying now would wait on it again)."""
-        self._start("release", run, 0, until)
+        return self._start("release", run, 0, until)
+
+    def release_again_at(self, run: Operation, *, at: float, until: float, after: _Job) -> None:
+        """Release once more at ``at`` (monotonic), if that is before ``until``: a claim that may have landed after
+        ``after``, the release that followed its failure. Nothing waits for it before then, a shutdown's flush
+        included (a shutdown drops it, quietly). Then, unless ``after`` is still retrying (the store away: its
+        release comes later anyway), one attempt: what it released is said, nothing released is the common case and
+        says nothing, a store away makes it a background release as any other."""
+        loop = self._loop or self._keep_loop()
+        if at >= until:
+            return
+
+        def start() -> None:
+            if self._closed or (after.task is not None and not after.task.done()):
+                return
+            task = loop.create_task(self._release_again(run, until), name="idemproxy-settle-release-again")
+            self._tasks.add(task)
+            task.add_done_callback(self._ended)
+
+        loop.call_at(loop.time() + max(at - time.monotonic(), 0.0), start)
+
+    async def _release_again(self, run: Operation, until: float) -> bool | None:
+        try:
+            released = await run()
+        except StoreUnavailable:
+            self._start("release", run, 0, until)
+            return None
+        except Exception:
+            log.exception("releasing a claim once more failed")
+            raise
+        if released:
+            log.warning("released, once more, a claim whose reply was lost (it landed after the release that followed "
+                        "its failure, or that release never got through)")
+        return released
 
     async def flush(self, timeout: float, grace: float) -> None:
         """At shutdown: let pending work land for up to ``timeout`` seconds (work started meanwhile too: a

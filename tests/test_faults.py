@@ -1387,6 +1387,63 @@ async def test_a_claim_cut_off_too_late_for_the_server_to_give_up_on_a_second_as
     assert store_errors(proxy, "claim") == 1 and upstream.count(key="late") == 0
 
 
+async def test_a_claim_that_lands_after_its_503_and_the_release_behind_it_is_released_once_more(
+    make_proxy: ProxyFactory, upstream: RecordingUpstream, pg_one_table_dsn: str
+) -> None:
+    """One table: a claim queued on the key's row lock (another transaction holds the row) when its connection is
+    cut is a 503, and the release behind it finds nothing of it (the row it sees is not its own, and a DELETE does
+    not wait for a lock on a row it does not match). The claim then lands, holding the key in flight under a token
+    nobody will use: a 409 for every retry until the lease ran out. The release is tried once more when, as a rule,
+    no statement of the claim can still land (5 s after it failed), so the key is free again long before its 60 s
+    lease."""
+    dsn = await empty_records(pg_one_table_dsn)
+    parts = urlsplit(dsn)
+    with Relay(parts.hostname or "127.0.0.1", parts.port or 5432, name="pg") as relay:
+        section = pg_section(via(relay, dsn))
+        section["postgres"].update(partitions="none", pool_max=1)
+        proxy = await make_proxy(storage_section=section, idempotency={"lease": "60s"})
+        assert (await proxy.post("/v1/charges", key="locked", body=CHARGE))[0].status == 201
+        admin = await asyncpg.connect(dsn)
+        try:
+            await admin.execute("UPDATE idemproxy_records SET expires_at = now() - interval '1 second' "
+                                "WHERE key = 'locked'")  # (its ttl over: the next claim replaces it)
+            holding = admin.transaction()
+            await holding.start()
+            await admin.execute("SELECT 1 FROM idemproxy_records WHERE key = 'locked' FOR UPDATE")
+            pending = asyncio.ensure_future(proxy.post("/v1/charges", key="locked", body=CHARGE))
+
+            await until_async(lambda: waiting_on_a_lock(dsn), timeout=5)  # the proxy's claim waits for the row
+            relay.cut()  # (and the second ask, if any, refused)
+            resp, body = await pending
+            assert resp.status == 503 and json.loads(body)["code"] == "store_unavailable", (resp.status, body)
+            relay.restore()
+            settler = proxy.proxy.engine.settler
+            await until(lambda: settler.pending == 0, timeout=5)  # the release behind the 503: nothing to release
+            await holding.commit()  # the queued claim goes on, and lands
+            await until_async(lambda: in_flight(dsn, "locked"), timeout=5)
+        finally:
+            await admin.close()
+        busy, _ = await proxy.post("/v1/charges", key="locked", body=CHARGE)
+        assert busy.status == 409  # held by the claim nobody answered
+
+        async def released() -> bool:
+            return not await in_flight(dsn, "locked")
+        await until_async(released, timeout=10)
+        retry, _ = await proxy.post("/v1/charges", key="locked", body=CHARGE)
+        assert retry.status == 201 and retry.headers["Idempotent-Replayed"] == "false"
+    assert upstream.count(key="locked") == 2  # the first request, and the retry after its ttl: never the lost claim
+
+
+async def waiting_on_a_lock(dsn: str) -> bool:
+    """Whether a session of ``dsn``'s database waits for a lock (a row another transaction holds)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return bool(await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"))
+    finally:
+        await conn.close()
+
+
 async def test_a_claim_cut_off_whose_second_ask_finds_no_server_is_a_503_and_released_behind_it(
     make_proxy: ProxyFactory, upstream: RecordingUpstream, clean_pg: str
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
@@ -390,6 +391,50 @@ async def test_background_releases_never_push_out_a_pending_completion() -> None
     store_up.set()
     await settler.flush(5, 1)
     assert "complete" in landed and sorted(landed) == ["complete", "release-3", "release-4"]
+
+
+async def test_a_release_again_runs_from_its_instant_and_holds_no_shutdown(caplog: pytest.LogCaptureFixture) -> None:
+    """``release_again_at``: nothing runs before its instant; then one attempt, which says what it released. None
+    while the release it follows is still retrying (the store away: that one lands later anyway), none past its
+    deadline, and one not yet started at a shutdown holds nothing up and is dropped without a word."""
+    from idemproxy.config import PendingSettlesConfig
+    from idemproxy.metrics import Metrics
+    from idemproxy.problems import StoreUnavailable
+    from idemproxy.settle import Settler
+
+    ran: list[str] = []
+
+    def release(name: str, away: bool = False) -> Callable[[], Coroutine[Any, Any, bool]]:
+        async def run() -> bool:
+            ran.append(name)
+            if away:
+                raise StoreUnavailable("away")
+            return True
+        return run
+
+    settler = Settler(Metrics(), PendingSettlesConfig(max_count=10, max_bytes=1 << 20))
+    now = time.monotonic()
+    landed = settler.release_later(release("first"), until=now + 60)
+    retrying = settler.release_later(release("first, store away", away=True), until=now + 60)
+    await until(lambda: landed.task is not None and landed.task.done(), timeout=5)
+    settler.release_again_at(release("soon"), at=now + 0.2, until=now + 60, after=landed)
+    settler.release_again_at(release("behind one retrying"), at=now + 0.2, until=now + 60, after=retrying)
+    settler.release_again_at(release("past its deadline"), at=now + 0.2, until=now + 0.1, after=landed)
+    settler.release_again_at(release("after the shutdown"), at=now + 30, until=now + 60, after=landed)
+    with caplog.at_level(logging.INFO, "idemproxy.settle"):
+        await until(lambda: "soon" in ran, timeout=5)
+        await until(lambda: bool(caplog.records), timeout=5)
+        assert time.monotonic() - now >= 0.2
+        assert [r.getMessage() for r in caplog.records if "once more" in r.getMessage()] == [
+            "released, once more, a claim whose reply was lost (it landed after the release that followed its "
+            "failure, or that release never got through)"]
+        await asyncio.sleep(0.3)  # (time passing is the point: the ones skipped or not due stay so)
+        caplog.clear()
+        began = time.monotonic()
+        await settler.flush(0.5, 1)  # (the release still retrying is dropped: the store stays away)
+    assert time.monotonic() - began < 2
+    assert sorted(set(ran)) == ["first", "first, store away", "soon"]
+    assert not [r for r in caplog.records if "once more" in r.getMessage()]
 
 
 async def test_an_unexpected_error_of_a_retry_reaches_the_waiting_caller() -> None:

@@ -327,6 +327,10 @@ class Store(ABC):
     """A durable record store. All times are epoch seconds; ``lease`` and ``ttl`` are seconds."""
 
     backend: ClassVar[str]
+    # Seconds after a claim failed by which, as a rule, no statement of it can still land: each was written before
+    # it failed, and the server gives each up within its own bound. 0: none can land after its call returned (a
+    # store in this process). A claim that may have landed unanswered is released once more then (engine).
+    claim_settled_within: float = 0.0
 
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.metrics = metrics

@@ -915,6 +915,9 @@ async def connect_with_retries(
 
 class PostgresStore(Store):
     backend = "postgres"
+    # The server ends a statement STATEMENT_TIMEOUT after it arrived, and a margin for its way there. (Not a bound
+    # on a commit that stalls, as on a synchronous standby gone, nor on a pooler queueing the statement first.)
+    claim_settled_within = STATEMENT_TIMEOUT + 0.5
 
     def __init__(
         self, config: PostgresConfig, metrics: Metrics | None = None, *, listen: bool = False,

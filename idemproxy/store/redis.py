@@ -458,6 +458,7 @@ class RedisFrontedStore(Store):
     ) -> None:
         super().__init__(metrics)
         self.durable = durable
+        self.claim_settled_within = durable.claim_settled_within  # (the durable store's)
         self.codec = codec or Codec()
         self.watchers = durable.watchers  # one set of waiters, woken by either notification path
         self.config = config
