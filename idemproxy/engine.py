@@ -480,13 +480,16 @@ class Engine:
             lease_expires_at=now + idem.lease, response=None, created_at=now, completed_at=None,
             expires_at=now + idem.ttl,
         ), owned=True, now=now, sent=sent)
-        first = self.settler.release_later(lambda: self.store.release(ghost), until=sent + idem.lease)
+        async def release() -> bool:
+            return await self.store.release(ghost)
+
+        first = self.settler.release_later(release, until=sent + idem.lease)
         # A statement of the claim may still be on the server though its connection is gone (queued on a lock the
         # release above does not wait for: one table's rows), and land after that release, holding the key for the
         # lease. As a rule none can by claim_settled_within after the claim failed (now): release once more then
         # (fenced: a no-op when nothing landed, or the key was taken over).
         if self.store.claim_settled_within:
-            self.settler.release_again_at(lambda: self.store.release(ghost), after=first,
+            self.settler.release_again_at(release, after=first,
                                           at=time.monotonic() + self.store.claim_settled_within,
                                           until=sent + idem.lease)
 

@@ -1169,11 +1169,16 @@ async def layout(
 async def end_sessions(dsn: str) -> int:
     """pg_terminate_backend of every other session on ``dsn``'s database (idle pooled connections, LISTEN): what
     an operator, a failover script or a pooler recycling connections does. Returns how many were ended."""
+    return int(await fetched(
+        dsn, "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+             "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"))
+
+
+async def fetched(dsn: str, sql: str, *args: Any) -> Any:
+    """The first value of ``sql``'s first row, on a connection of its own to ``dsn`` (not the proxy's)."""
     conn = await asyncpg.connect(dsn)
     try:
-        return int(await conn.fetchval(
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"))
+        return await conn.fetchval(sql, *args)
     finally:
         await conn.close()
 
@@ -1295,18 +1300,16 @@ async def test_a_claim_the_server_refused_is_not_asked_again(
     assert resp.status == 201 and upstream.count(key="refused") == 1
 
 
+IN_FLIGHT = "SELECT count(*) FROM idemproxy_records WHERE key = $1 AND state = 'in_flight'"
+
+
 async def in_flight(dsn: str, key: str) -> bool:
     """Whether ``key``'s record stands in flight, as PostgreSQL itself has it committed."""
-    conn = await asyncpg.connect(dsn)
-    try:
-        return await _in_flight(conn, key)
-    finally:
-        await conn.close()
+    return bool(await fetched(dsn, IN_FLIGHT, key))
 
 
 async def _in_flight(conn: asyncpg.Connection, key: str) -> bool:
-    return bool(await conn.fetchval(
-        "SELECT count(*) FROM idemproxy_records WHERE key = $1 AND state = 'in_flight'", key))
+    return bool(await conn.fetchval(IN_FLIGHT, key))
 
 
 async def until_in_flight(direct: asyncpg.Connection, key: str) -> None:
@@ -1436,12 +1439,8 @@ async def test_a_claim_that_lands_after_its_503_and_the_release_behind_it_is_rel
 
 async def waiting_on_a_lock(dsn: str) -> bool:
     """Whether a session of ``dsn``'s database waits for a lock (a row another transaction holds)."""
-    conn = await asyncpg.connect(dsn)
-    try:
-        return bool(await conn.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"))
-    finally:
-        await conn.close()
+    return bool(await fetched(
+        dsn, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"))
 
 
 async def test_a_claim_cut_off_whose_second_ask_finds_no_server_is_a_503_and_released_behind_it(

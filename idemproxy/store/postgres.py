@@ -516,6 +516,12 @@ CLAIM_AGAIN_WITHIN = SILENT_AFTER
 # and asking again on a new connection would only fail the same way.
 _LOST = (asyncpg.PostgresConnectionError, asyncpg.AdminShutdownError, asyncpg.CrashShutdownError,
          asyncpg.IdleSessionTimeoutError, ConnectionError)
+
+
+def _lost(exc: StoreUnavailable) -> bool:
+    """Whether a claim failed by losing its connection once its statement was written (``_LOST``): it may have
+    landed, and may be asked again."""
+    return exc.maybe_applied and isinstance(exc.__cause__, _LOST)
 # Unacknowledged data ends a connection after this long (base.keep_alive): past the driver's own timeout, so a
 # statement with no answer is still told by that (PostgresStore._silent), and the kernel ends what it leaves.
 USER_TIMEOUT = OPERATION_TIMEOUT + 1
@@ -1345,7 +1351,7 @@ class PostgresStore(Store):
                 # finds no unique index on the partitioned table. Learn the new layout and claim again, once.
                 await self._refresh_layout()
                 row, written = await self._claim(tenant, key, fingerprint, token, lease, ttl)
-            elif exc.maybe_applied and isinstance(exc.__cause__, _LOST):
+            elif _lost(exc):
                 row, written = await self._claim_again(tenant, key, fingerprint, token, lease, ttl, began, exc)
             else:
                 raise
@@ -1380,7 +1386,7 @@ class PostgresStore(Store):
             except StoreUnavailable as again:
                 # nothing of it sent (no server to ask), or an answer (the statement rolled back): the earlier tries
                 # still may have landed
-                if not (again.maybe_applied and isinstance(again.__cause__, _LOST)):
+                if not _lost(again):
                     break
                 failed = again
         raise failed
